@@ -1,0 +1,90 @@
+"""Transports, chosen by name (``comm_backend_name``) or passed as an object (``backend``)."""
+
+from __future__ import annotations
+
+import os
+
+from .base import CommBackend
+from .local import LocalBackend
+
+__all__ = ["CommBackend", "LocalBackend", "BACKEND_NAMES", "resolve_backend"]
+
+#: names accepted by ``comm_backend_name``
+BACKEND_NAMES = ("gloo", "hccl", "local", "mpi", "nccl")
+_TORCH_DIST_NAMES = ("gloo", "hccl", "nccl")
+
+
+def _expected_world_size() -> int:
+    # torchrun and most launchers export WORLD_SIZE; mpiexec exports one of these.
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return 1
+
+
+def resolve_backend(
+    comm_backend_name: str | None = None,
+    backend: CommBackend | None = None,
+    *,
+    cuda_aware: bool = False,
+    group=None,
+) -> CommBackend:
+    """Build the transport the optimizer will use.
+
+    * ``backend`` given: used as it is (``comm_backend_name`` must then be ``None``).
+    * ``comm_backend_name`` in ``'gloo'``, ``'nccl'``, ``'hccl'``: the initialized torch.distributed
+      process group (``group``, default the default group), which must use that backend.
+    * ``'mpi'``: mpi4py's ``COMM_WORLD`` (or ``group``, an mpi4py communicator).
+    * ``'local'``: one process, world size 1.
+    * ``None``: the default process group if torch.distributed is initialized, else ``'local'``
+      when the launcher reports a single process; a multi-process launch without an initialized
+      process group raises instead of letting ranks train apart.
+    """
+    if backend is not None:
+        if comm_backend_name is not None:
+            raise ValueError(
+                f"pass either backend= or comm_backend_name=, not both (got comm_backend_name={comm_backend_name!r})"
+            )
+        if not isinstance(backend, CommBackend):
+            raise TypeError(f"backend must be a onebit.backends.CommBackend, got {type(backend).__name__}")
+        if cuda_aware:
+            raise ValueError("cuda_aware=True applies only to comm_backend_name='mpi'; configure a custom backend itself")
+        return backend
+    if comm_backend_name is not None and not isinstance(comm_backend_name, str):
+        raise TypeError(f"comm_backend_name must be a string, got {type(comm_backend_name).__name__}")
+    name = comm_backend_name.lower() if comm_backend_name is not None else None
+    if name is not None and name not in BACKEND_NAMES:
+        valid = ", ".join(repr(n) for n in BACKEND_NAMES)
+        raise ValueError(f"unknown comm_backend_name {comm_backend_name!r}; expected one of {valid}")
+    if cuda_aware and name != "mpi":
+        raise ValueError(
+            f"cuda_aware=True applies only to comm_backend_name='mpi' (got {comm_backend_name!r}); "
+            "torch.distributed backends move device buffers themselves: leave cuda_aware=False"
+        )
+    if name == "mpi":
+        from .mpi import MPIBackend
+
+        return MPIBackend(comm=group, cuda_aware=cuda_aware)
+    if name == "local":
+        if group is not None:
+            raise ValueError("comm_backend_name='local' takes no process group")
+        return LocalBackend()
+    if name in _TORCH_DIST_NAMES:
+        from .torch_dist import TorchDistBackend
+
+        return TorchDistBackend(group, expected=name)
+    # name is None: infer.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from .torch_dist import TorchDistBackend
+
+        return TorchDistBackend(group)
+    world = _expected_world_size()
+    if world > 1:
+        raise RuntimeError(
+            f"the launcher reports {world} processes but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first, or pass comm_backend_name='mpi'"
+        )
+    return LocalBackend()

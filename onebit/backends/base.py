@@ -1,0 +1,54 @@
+"""The transport protocol: the few collectives the optimizer and the compressed all-reduce need.
+
+A backend moves bytes and floats between ranks and knows nothing of compression. Every rank
+must call the same methods in the same order with tensors of the same shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+__all__ = ["CommBackend"]
+
+
+class CommBackend(abc.ABC):
+    """Abstract transport. Subclass it to plug in a custom transport (``OnebitAdam(backend=...)``).
+
+    Tensors are contiguous and live on the device of the data being reduced; a backend takes the
+    device from the tensors it is given and never assumes CUDA or CPU.
+    """
+
+    #: short name used in logs and statistics
+    name: str = "custom"
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the data-parallel group, ``0 <= rank < world_size``."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """Number of ranks in the data-parallel group."""
+
+    @abc.abstractmethod
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Replace ``tensor`` (floating point) by its element-wise mean over ranks; return it."""
+
+    @abc.abstractmethod
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """Row ``j`` of ``input`` (shape ``(n, ...)``) goes to rank ``j``; row ``i`` of ``output``
+        is what rank ``i`` sent here. Returns ``output``."""
+
+    @abc.abstractmethod
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """``output`` (shape ``(n, *input.shape)``) receives ``input`` of every rank, rank order."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Block until every rank has reached the barrier."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, world_size={self.world_size})"

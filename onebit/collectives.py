@@ -1,0 +1,82 @@
+"""The error-compensated 1-bit compressed all-reduce, written once over (codec, transport).
+
+Phase 1 (every rank as worker): ``b = x + e_w``; scale ``s_w = rms(b)``; ``e_w <- b - s_w sign(b)``;
+packed signs split into ``n`` chunks; **all-to-all** (rank ``j`` receives chunk ``j`` of every
+rank, each row carrying its sender's scale).
+
+Phase 2 (rank ``j`` as server of chunk ``j``): ``c = (sum_i s_w,i q_i) / n + e_s``;
+``s_s = rms(c)``; ``e_s <- c - s_s sign(c)``; **all-gather** of the packed server chunks with
+their scales; every rank decodes the same bytes, so the output is bit-identical on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends.base import CommBackend
+from .compression import chunk_bytes, padded_length, read_scales, row_bytes, write_scale_
+from .kernels import REFERENCE, KernelSet
+
+__all__ = ["CompressionState", "compressed_allreduce_"]
+
+
+class CompressionState:
+    """Persistent per-buffer state of the compressed all-reduce on one rank.
+
+    Holds the worker error (``padded`` elements), the server error (``padded / n``) and the wire
+    buffers, allocated once. ``padded`` must follow :func:`onebit.compression.padded_length`.
+    """
+
+    def __init__(self, padded: int, world_size: int, device: torch.device | str) -> None:
+        if padded != padded_length(padded, world_size):
+            raise ValueError(
+                f"buffer length {padded} is not padded for world size {world_size}; "
+                f"use onebit.compression.padded_length (here {padded_length(padded, world_size)})"
+            )
+        n = world_size
+        self.padded = padded
+        self.world_size = n
+        row = row_bytes(padded, n)
+        self.worker_error = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.server_error = torch.zeros(padded // n, dtype=torch.float32, device=device)
+        self.send = torch.zeros(n, row, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros(n, row, dtype=torch.uint8, device=device)
+        self.gather_in = torch.zeros(row, dtype=torch.uint8, device=device)
+        self.gather_out = torch.zeros(n, row, dtype=torch.uint8, device=device)
+
+    def reset_errors_(self) -> None:
+        """Zero both error-feedback buffers (after a checkpoint load or a change of layout)."""
+        self.worker_error.zero_()
+        self.server_error.zero_()
+
+
+def compressed_allreduce_(
+    buffer: torch.Tensor,
+    state: CompressionState,
+    backend: CommBackend,
+    kernels: KernelSet = REFERENCE,
+) -> torch.Tensor:
+    """Replace ``buffer`` (flat float32, ``state.padded`` elements) by its compressed mean over
+    ranks, updating the error buffers in ``state``. Two collective calls. Returns ``buffer``."""
+    n = backend.world_size
+    if n != state.world_size:
+        raise ValueError(f"state was built for world size {state.world_size}, backend has {n}")
+    if buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.numel() != state.padded:
+        raise ValueError(
+            f"buffer must be a flat float32 tensor of {state.padded} elements, got "
+            f"{buffer.dtype} of shape {tuple(buffer.shape)}"
+        )
+    signs = chunk_bytes(state.padded, n)
+
+    worker_scale = kernels.worker_compress_(buffer, state.worker_error, state.send[:, :signs])
+    write_scale_(state.send, worker_scale)
+    backend.all_to_all(state.recv, state.send)
+
+    server_scale = kernels.server_compress_(
+        state.recv[:, :signs], read_scales(state.recv), state.server_error, state.gather_in[:signs]
+    )
+    write_scale_(state.gather_in.view(1, -1), server_scale)
+    backend.all_gather(state.gather_out, state.gather_in)
+
+    kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out), buffer)
+    return buffer

@@ -1,0 +1,54 @@
+"""Pure update maths on flat float32 buffers. No state, no communication.
+
+DeepSpeed's numerics are the default: eps outside the square root, decoupled weight decay, and
+(unless ``bias_correction``) no bias correction::
+
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g          (warmup only; frozen after)
+    u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p
+    p = p - lr * u
+
+with ``bc1 = bc2 = 1`` without bias correction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["adam_moments_", "momentum_", "adam_direction_", "bias_corrections"]
+
+
+def adam_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float) -> None:
+    """Warmup: update both moments with the (averaged) gradient."""
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+
+def momentum_(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> None:
+    """Compression: update the momentum with the local gradient; the variance stays frozen."""
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+
+
+def bias_corrections(step: int, variance_step: int, beta1: float, beta2: float, enabled: bool) -> tuple[float, float]:
+    """``(1 - beta1**step, 1 - beta2**variance_step)``, or ``(1, 1)`` when disabled.
+
+    ``variance_step`` is the step at which the variance was last updated: the current step in
+    warmup, ``freeze_step`` once it is frozen.
+    """
+    if not enabled:
+        return 1.0, 1.0
+    return 1.0 - beta1**step, 1.0 - beta2**variance_step
+
+
+def adam_direction_(
+    out: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float, bc1: float = 1.0, bc2: float = 1.0
+) -> torch.Tensor:
+    """``out = (m / bc1) / (sqrt(v / bc2) + eps)``, written into ``out``."""
+    torch.sqrt(exp_avg_sq, out=out)
+    if bc2 != 1.0:
+        out.div_(bc2**0.5)
+    out.add_(eps)
+    torch.div(exp_avg, out, out=out)
+    if bc1 != 1.0:
+        out.div_(bc1)
+    return out

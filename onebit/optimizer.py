@@ -1,0 +1,409 @@
+"""OnebitAdam: Adam with a full-precision warmup, then a frozen variance and 1-bit momentum averaging."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from . import checkpoint
+from . import functional as F
+from .backends import CommBackend, resolve_backend
+from .collectives import CompressionState, compressed_allreduce_
+from .compression import padded_length
+from .kernels import get_kernels
+from .stats import PHASES, InstrumentedBackend, PhaseStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OnebitAdam"]
+
+DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
+
+
+class _Bucket:
+    """Flat, padded buffers for a run of parameters of one group on one device."""
+
+    def __init__(self, group_index: int, params: list[torch.Tensor], world_size: int, compress: bool) -> None:
+        self.group_index = group_index
+        self.params = params
+        self.device = params[0].device
+        self.numel = sum(p.numel() for p in params)
+        self.padded = padded_length(self.numel, world_size) if compress else self.numel
+        kwargs = {"dtype": torch.float32, "device": self.device}
+        self.exp_avg = torch.zeros(self.padded, **kwargs)
+        self.exp_avg_sq = torch.zeros(self.padded, **kwargs)
+        self.grad = torch.zeros(self.padded, **kwargs)
+        self.update = torch.zeros(self.numel, **kwargs)
+        self.mask: torch.Tensor | None = None
+        self.compression = CompressionState(self.padded, world_size, self.device) if compress else None
+        self.slices: list[slice] = []
+        offset = 0
+        for p in params:
+            self.slices.append(slice(offset, offset + p.numel()))
+            offset += p.numel()
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s].view(p.shape) for s, p in zip(self.slices, self.params)]
+
+
+def _check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
+    if not math.isfinite(value) or value < low or (high is not None and (value >= high if high_open else value > high)):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"invalid {name}: {value!r}; it must be finite and {bound}")
+
+
+def _check_group_hyperparameters(group: Mapping[str, Any]) -> None:
+    _check_number("lr", group["lr"])
+    _check_number("eps", group["eps"])
+    _check_number("weight_decay", group["weight_decay"])
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    _check_number("betas[0]", betas[0], high=1.0, high_open=True)
+    _check_number("betas[1]", betas[1], high=1.0, high_open=True)
+    if not isinstance(group["compress"], bool):
+        raise TypeError(f"compress must be True or False, got {group['compress']!r}")
+    if not isinstance(group["bias_correction"], bool):
+        raise TypeError(f"bias_correction must be True or False, got {group['bias_correction']!r}")
+    if "exp_avg_mask" in group:
+        raise ValueError(
+            "param group key 'exp_avg_mask' (DeepSpeed) is not read by onebit; pass "
+            "momentum_masks={param: mask} to OnebitAdam instead"
+        )
+
+
+def _check_params(params: list[Any]) -> None:
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"OnebitAdam expects tensors (or param-group dicts), got {type(p).__name__}")
+        if p.is_complex():
+            raise ValueError(
+                f"complex parameter of shape {tuple(p.shape)}: OnebitAdam handles real tensors only; "
+                "view it with torch.view_as_real before building the model"
+            )
+        if not p.is_floating_point():
+            raise ValueError(f"parameter of dtype {p.dtype} is not floating point; only float parameters can be optimized")
+        if p.is_sparse:
+            raise ValueError("sparse parameters are not supported; use dense tensors")
+
+
+class OnebitAdam(torch.optim.Optimizer):
+    r"""1-bit Adam (Tang et al., 2021) as a plain ``torch.optim.Optimizer``.
+
+    For the first ``freeze_step`` steps (**warmup**) every step all-reduces the gradients in full
+    precision and runs Adam. After that (**compression**) the variance ``exp_avg_sq`` is frozen;
+    each rank updates its momentum with its local gradient, and the momenta are averaged with an
+    error-compensated 1-bit all-reduce (about 32x fewer bytes than float32). Gradients are *not*
+    all-reduced in the compression phase: do not also average them (e.g. with DDP) then.
+
+    Default numerics are DeepSpeed's ``OnebitAdam``: no bias correction, ``eps`` outside the
+    square root, decoupled weight decay: ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``.
+
+    Args:
+        params: parameters or param groups. A group may set its own ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``bias_correction``, and ``compress=False`` to keep its momentum
+            out of compression (full-precision gradient all-reduce and plain Adam in both phases).
+        lr, betas, eps, weight_decay: as in Adam (``weight_decay`` is decoupled).
+        freeze_step: number of warmup steps (>= 1). The paper uses 15-25% of training.
+        bias_correction: divide the moments by ``1 - beta**t`` (with ``t = freeze_step`` for the
+            frozen variance). Off by default, as in DeepSpeed.
+        comm_backend_name: ``'gloo'``, ``'nccl'``, ``'hccl'`` (the initialized torch.distributed
+            process group), ``'mpi'`` (mpi4py), ``'local'`` (one process), or ``None`` to use
+            the default process group when there is one.
+        backend: a :class:`onebit.backends.CommBackend` object instead of a name.
+        cuda_aware: with ``'mpi'``: hand device buffers straight to a CUDA-aware MPI.
+        group: the process group (torch.distributed) or communicator (mpi4py) of the data-parallel
+            ranks; default the whole job.
+        momentum_masks: ``{param: mask}``; where ``mask`` is 0 the momentum is kept exactly 0
+            (e.g. position-embedding rows beyond the sequence length in use). Same shape and
+            device as the parameter; bool or 0/1 floats. Not saved in checkpoints.
+        bucket_size: number of elements per compression bucket; each bucket costs 2 collective
+            calls per compression step and 1 per warmup step, however many tensors it holds.
+        kernels: codec implementation (``'auto'``, ``'reference'``, or a native one); default
+            from the ``ONEBIT_KERNELS`` environment variable, else ``'auto'``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        bias_correction: bool = False,
+        comm_backend_name: str | None = None,
+        backend: CommBackend | None = None,
+        cuda_aware: bool = False,
+        group: Any = None,
+        momentum_masks: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        kernels: str | None = None,
+    ) -> None:
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int):
+            raise TypeError(f"freeze_step must be an int, got {freeze_step!r} of type {type(freeze_step).__name__}")
+        if freeze_step < 1:
+            raise ValueError(
+                f"invalid freeze_step: {freeze_step}; it must be >= 1, because the variance is frozen "
+                "after freeze_step steps of Adam and a zero variance would make the update m / eps"
+            )
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"invalid bucket_size: {bucket_size!r}; it must be a positive int (elements)")
+        if not isinstance(cuda_aware, bool):
+            raise TypeError(f"cuda_aware must be True or False, got {cuda_aware!r}")
+        defaults = dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, bias_correction=bias_correction, compress=True,
+        )
+        _check_group_hyperparameters(defaults)
+        self.freeze_step = freeze_step
+        self.bucket_size = bucket_size
+        self._buckets: list[_Bucket] = []
+        self._step = 0
+        self._kernel_choice = kernels
+        super().__init__(params, defaults)
+        # Everything above validates without side effects; only now is a backend touched.
+        self._backend = InstrumentedBackend(
+            resolve_backend(comm_backend_name, backend, cuda_aware=cuda_aware, group=group)
+        )
+        self._kernels = {}
+        self._build_buckets()
+        self._set_masks(momentum_masks or {})
+
+    # ----------------------------------------------------------------- construction
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"a param group must be a dict, got {type(param_group).__name__}")
+        hyper = {k: v for k, v in param_group.items() if k != "params"}
+        _check_group_hyperparameters({**self.defaults, **hyper})
+        params = param_group.get("params", [])
+        params = [params] if isinstance(params, torch.Tensor) else params
+        if not isinstance(params, (set, frozenset)):
+            params = list(params)
+            _check_params(params)
+            param_group = {**param_group, "params": params}
+        super().add_param_group(param_group)
+        if getattr(self, "_backend", None) is not None:
+            self._build_group_buckets(len(self.param_groups) - 1)
+
+    def _build_buckets(self) -> None:
+        self._buckets = []
+        for index in range(len(self.param_groups)):
+            self._build_group_buckets(index)
+
+    def _build_group_buckets(self, index: int) -> None:
+        group = self.param_groups[index]
+        world = self._backend.world_size
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in group["params"]:
+            if p.requires_grad:
+                by_device.setdefault(p.device, []).append(p)
+        for params in by_device.values():
+            run: list[torch.Tensor] = []
+            size = 0
+            for p in params:
+                if run and size + p.numel() > self.bucket_size:
+                    self._add_bucket(index, run, world, group["compress"])
+                    run, size = [], 0
+                run.append(p)
+                size += p.numel()
+            if run:
+                self._add_bucket(index, run, world, group["compress"])
+
+    def _add_bucket(self, index: int, params: list[torch.Tensor], world: int, compress: bool) -> None:
+        bucket = _Bucket(index, params, world, compress)
+        for p, m, v in zip(params, bucket.views(bucket.exp_avg), bucket.views(bucket.exp_avg_sq)):
+            self.state[p] = {"exp_avg": m, "exp_avg_sq": v}
+        if bucket.device not in self._kernels:
+            self._kernels[bucket.device] = get_kernels(bucket.device, self._kernel_choice)
+        self._buckets.append(bucket)
+
+    def _set_masks(self, masks: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        if not isinstance(masks, Mapping):
+            raise TypeError(f"momentum_masks must be a mapping {{param: mask}}, got {type(masks).__name__}")
+        located = {}
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                located[id(p)] = (bucket, i)
+        checked = []
+        for param, mask in masks.items():
+            if id(param) not in located:
+                raise ValueError(
+                    f"momentum_masks has a key of shape {tuple(param.shape)} that is not a trainable "
+                    "parameter of this optimizer; key the mapping by the parameter tensor itself"
+                )
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"momentum mask must be a tensor, got {type(mask).__name__}")
+            if mask.shape != param.shape:
+                raise ValueError(
+                    f"momentum mask of shape {tuple(mask.shape)} does not match its parameter of shape "
+                    f"{tuple(param.shape)}; give a mask of the parameter's shape"
+                )
+            if mask.device != param.device:
+                raise ValueError(
+                    f"momentum mask is on {mask.device} but its parameter is on {param.device}; "
+                    f"move the mask with mask.to({str(param.device)!r})"
+                )
+            if mask.dtype != torch.bool:
+                if not mask.is_floating_point() and mask.dtype not in (torch.uint8, torch.int8, torch.int32, torch.int64):
+                    raise TypeError(f"momentum mask must be bool or 0/1 numbers, got dtype {mask.dtype}")
+                if not bool(((mask == 0) | (mask == 1)).all()):
+                    raise ValueError("momentum mask must contain only 0 and 1 (or be a bool tensor)")
+            checked.append((located[id(param)], mask))
+        for (bucket, i), mask in checked:
+            if bucket.mask is None:
+                bucket.mask = torch.ones(bucket.padded, dtype=torch.float32, device=bucket.device)
+            bucket.mask[bucket.slices[i]].copy_(mask.reshape(-1).to(torch.float32))
+            bucket.exp_avg.mul_(bucket.mask)
+
+    # ----------------------------------------------------------------- public state
+
+    @property
+    def phase(self) -> str:
+        """``'warmup'`` or ``'compression'``: the phase the next ``step()`` runs in."""
+        return "warmup" if self._step < self.freeze_step else "compression"
+
+    @property
+    def step_count(self) -> int:
+        """Number of ``step()`` calls completed (restored by ``load_state_dict``)."""
+        return self._step
+
+    @property
+    def backend(self) -> CommBackend:
+        """The transport in use."""
+        return self._backend.inner
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Communication statistics of this rank, per phase and for the last step.
+
+        ``bytes_sent`` counts what this rank sends under a bandwidth-optimal algorithm for each
+        collective (see :mod:`onebit.stats`). ``worker_error_norm`` / ``server_error_norm`` are
+        the current L2 norms of the compression errors (computed on request).
+        """
+        worker = [b.compression.worker_error for b in self._buckets if b.compression is not None]
+        server = [b.compression.server_error for b in self._buckets if b.compression is not None]
+        norm = lambda ts: float(torch.sqrt(sum((t.double().square().sum() for t in ts), torch.tensor(0.0, dtype=torch.float64))))
+        return {
+            "backend": self._backend.name,
+            "world_size": self._backend.world_size,
+            "phase": self.phase,
+            "step": self._step,
+            "buckets": len(self._buckets),
+            "warmup": self._backend.totals["warmup"].as_dict(),
+            "compression": self._backend.totals["compression"].as_dict(),
+            "last_step": self._backend.last_step.as_dict(),
+            "worker_error_norm": norm(worker),
+            "server_error_norm": norm(server),
+        }
+
+    def reset_comm_stats(self) -> None:
+        self._backend.totals = {p: PhaseStats() for p in PHASES}
+        self._backend.last_step = PhaseStats()
+
+    # ----------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step. Every call updates the parameters (no hidden first-step dry run)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_grads()
+        start = time.perf_counter()
+        phase = self.phase
+        compressing = phase == "compression"
+        if compressing and self._step == self.freeze_step and self._backend.rank == 0:
+            logger.info("onebit: step %d: variance frozen, switching to 1-bit compressed momentum", self._step + 1)
+        self._backend.phase = phase
+        self._backend.last_step = PhaseStats()
+        t = self._step + 1
+        for bucket in self._buckets:
+            group = self.param_groups[bucket.group_index]
+            self._bucket_step(bucket, group, t, compressing and bucket.compression is not None)
+        self._step = t
+        elapsed = time.perf_counter() - start
+        for stats in (self._backend.totals[phase], self._backend.last_step):
+            stats.steps += 1
+            stats.step_time_s += elapsed
+        return loss
+
+    def _check_grads(self) -> None:
+        for bucket in self._buckets:
+            for p in bucket.params:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise ValueError("OnebitAdam does not support sparse gradients; use dense embeddings (sparse=False)")
+                if g.shape != p.shape:
+                    raise ValueError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
+
+    def _bucket_step(self, bucket: _Bucket, group: dict[str, Any], t: int, compressing: bool) -> None:
+        n = bucket.numel
+        beta1, beta2 = group["betas"]
+        grad = bucket.grad[:n]
+        for s, p in zip(bucket.slices, bucket.params):
+            if p.grad is None:
+                grad[s].zero_()
+            else:
+                grad[s].copy_(p.grad.reshape(-1))
+        m, v = bucket.exp_avg, bucket.exp_avg_sq
+        if compressing:
+            F.momentum_(m[:n], grad, beta1)
+            compressed_allreduce_(m, bucket.compression, self._backend, self._kernels[bucket.device])
+            m[n:].zero_()
+            variance_step = self.freeze_step
+        else:
+            self._backend.all_reduce_mean_(grad)
+            F.adam_moments_(m[:n], v[:n], grad, beta1, beta2)
+            variance_step = t
+        if bucket.mask is not None:
+            m.mul_(bucket.mask)
+        bc1, bc2 = F.bias_corrections(t, variance_step, beta1, beta2, group["bias_correction"])
+        F.adam_direction_(bucket.update, m[:n], v[:n], group["eps"], bc1, bc2)
+        updates = bucket.views(bucket.update)
+        params = bucket.params
+        if group["weight_decay"] != 0:
+            for u, p in zip(updates, params):
+                u.add_(p, alpha=group["weight_decay"])
+        for u, p in zip(updates, params):
+            p.add_(u.to(p.dtype), alpha=-group["lr"])
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """World-size independent state: step, ``exp_avg``/``exp_avg_sq`` per parameter (copies),
+        hyperparameters, a format version. Compression errors and masks are not saved."""
+        return checkpoint.build_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (from any world size). Validates everything before changing
+        anything, never modifies ``state_dict``, restores the phase from the step, and resets the
+        compression errors (they are rank-local; the paper shows a reset does not hurt)."""
+        checkpoint.load_state_dict(self, state_dict)
+
+    def _restore_after_load(self, step: int) -> None:
+        self._step = step
+        for bucket in self._buckets:
+            if bucket.mask is not None:
+                bucket.exp_avg.mul_(bucket.mask)
+            if bucket.compression is not None:
+                bucket.compression.reset_errors_()
+        if self._backend.rank == 0:
+            logger.info(
+                "onebit: loaded optimizer state at step %d (%s phase); compression errors reset", step, self.phase
+            )

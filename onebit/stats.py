@@ -1,0 +1,89 @@
+"""Communication statistics: bytes each rank sends, collective calls, and time, by phase.
+
+Bytes follow the bandwidth-optimal algorithm of each collective (what a ring or pairwise
+exchange sends from one rank), so they compare across transports:
+
+* all-reduce of ``B`` bytes: ``2 (n-1) / n * B``;
+* all-to-all of ``B`` input bytes: ``(n-1) / n * B`` (the rows for the other ranks);
+* all-gather of ``B`` bytes per rank: ``(n-1) * B``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .backends.base import CommBackend
+from .compression import allreduce_wire_bytes
+
+__all__ = ["PhaseStats", "InstrumentedBackend"]
+
+PHASES = ("warmup", "compression")
+
+
+@dataclass
+class PhaseStats:
+    steps: int = 0
+    bytes_sent: int = 0
+    collectives: int = 0
+    comm_time_s: float = 0.0
+    step_time_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class InstrumentedBackend(CommBackend):
+    """Wraps a transport and counts what passes through it, under the current ``phase``.
+
+    Owned by the optimizer; times are host wall-clock seconds around each call (on an
+    asynchronous device this is the time to enqueue, unless the transport itself waits).
+    """
+
+    def __init__(self, inner: CommBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.phase = "warmup"
+        self.totals = {p: PhaseStats() for p in PHASES}
+        self.last_step = PhaseStats()
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def _record(self, nbytes: int, seconds: float) -> None:
+        for stats in (self.totals[self.phase], self.last_step):
+            stats.bytes_sent += nbytes
+            stats.collectives += 1
+            stats.comm_time_s += seconds
+
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner.all_reduce_mean_(tensor)
+        nbytes = allreduce_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        self._record(nbytes, time.perf_counter() - start)
+        return out
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner.all_to_all(output, input)
+        n = self.world_size
+        nbytes = (input.numel() * input.element_size()) * (n - 1) // n
+        self._record(nbytes, time.perf_counter() - start)
+        return out
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner.all_gather(output, input)
+        nbytes = input.numel() * input.element_size() * (self.world_size - 1)
+        self._record(nbytes, time.perf_counter() - start)
+        return out
+
+    def barrier(self) -> None:
+        self.inner.barrier()
