@@ -309,6 +309,12 @@ class OnebitAdam(torch.optim.Optimizer):
             "server_error_norm": norm(server),
         }
 
+    def reset_compression_errors(self) -> None:
+        """Zero the worker and server errors of every bucket (what ``load_state_dict`` does)."""
+        for bucket in self._buckets:
+            if bucket.compression is not None:
+                bucket.compression.reset_errors_()
+
     def reset_comm_stats(self) -> None:
         self._backend.totals = {p: PhaseStats() for p in PHASES}
         self._backend.last_step = PhaseStats()
@@ -401,8 +407,7 @@ class OnebitAdam(torch.optim.Optimizer):
         for bucket in self._buckets:
             if bucket.mask is not None:
                 bucket.exp_avg.mul_(bucket.mask)
-            if bucket.compression is not None:
-                bucket.compression.reset_errors_()
+        self.reset_compression_errors()
         if self._backend.rank == 0:
             logger.info(
                 "onebit: loaded optimizer state at step %d (%s phase); compression errors reset", step, self.phase
