@@ -1,0 +1,202 @@
+"""OnebitAdam on real gloo ranks against a single-process simulation of the whole algorithm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from onebit import OnebitAdam
+from onebit.backends.torch_dist import TorchDistBackend
+from onebit.compression import padded_length
+from onebit.testing import simulate_compressed_allreduce
+
+LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _mask(model) -> torch.Tensor:
+    mask = torch.ones_like(model[0].weight)
+    mask[5:] = 0  # rows 5..7 of the first layer: momentum must stay exactly 0
+    return mask
+
+
+def _grads(model, rank: int, step: int) -> None:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def simulate(world_size, steps, freeze_step, start=None):
+    """The whole optimizer for ``world_size`` simulated ranks, from the maths (one bucket)."""
+    model = _model()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    mask = torch.cat([_mask(model).reshape(-1), torch.ones(numel - _mask(model).numel())])
+    m, v, first = torch.zeros(numel), torch.zeros(numel), 0
+    if start is not None:
+        with torch.no_grad():
+            for p, saved in zip(params, start["params"]):
+                p.copy_(saved)
+        m = _flat(start["state"][i]["exp_avg"] for i in range(len(params)))
+        v = _flat(start["state"][i]["exp_avg_sq"] for i in range(len(params)))
+        first = start["step"]
+    worker_errors = server_errors = None
+    snapshots = []
+    b1, b2 = BETAS
+    for t in range(first + 1, first + steps + 1):
+        grads = []
+        for rank in range(world_size):
+            _grads(model, rank, t)
+            grads.append(_flat(p.grad for p in params))
+        if t <= freeze_step:
+            g = torch.stack(grads).sum(0) / world_size
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+        else:
+            local = [b1 * m + (1 - b1) * g for g in grads]
+            sim = simulate_compressed_allreduce(local, worker_errors, server_errors)
+            worker_errors, server_errors, m = sim.worker_errors, sim.server_errors, sim.output
+        m = m * mask
+        with torch.no_grad():
+            p_flat = _flat(params)
+            p_flat = p_flat - LR * (m / (v.sqrt() + EPS) + WD * p_flat)
+            offset = 0
+            for p in params:
+                p.copy_(p_flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        snapshots.append([p.detach().clone() for p in params])
+    return snapshots
+
+
+def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkpoint_out=None):
+    model = _model()
+    opt = OnebitAdam(model.parameters(), lr=LR, freeze_step=freeze_step, betas=BETAS, eps=EPS, weight_decay=WD,
+                     comm_backend_name="gloo", momentum_masks={model[0].weight: _mask(model)})
+    first = 0
+    if checkpoint_in is not None:
+        saved = torch.load(checkpoint_in)
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), saved["params"]):
+                p.copy_(value)
+        opt.load_state_dict(saved["optimizer"])
+        first = opt.step_count
+    snapshots, masked_zero = [], []
+    for t in range(first + 1, first + steps + 1):
+        _grads(model, rank, t)
+        opt.step()
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+        masked_zero.append(bool(torch.all(opt.state[model[0].weight]["exp_avg"][5:] == 0)))
+    if checkpoint_out is not None and rank == 0:
+        sd = opt.state_dict()
+        torch.save({"params": snapshots[-1], "optimizer": sd, "step": sd["onebit"]["step"],
+                    "state": sd["state"]}, checkpoint_out)
+    return {"snapshots": snapshots, "masked_zero": masked_zero, "phase": opt.phase, "stats": opt.comm_stats()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_trajectory_matches_simulation_in_both_phases(tmp_path, world_size):
+    steps, freeze_step = 8, 3
+    results = run_ranks(_train_rank, world_size, tmp_path, steps, freeze_step)
+    expected = simulate(world_size, steps, freeze_step)
+    for t in range(steps):
+        for rank in range(world_size):
+            # Parameters are bit-identical on every rank, with no broadcast.
+            assert all(torch.equal(a, b) for a, b in zip(results[rank]["snapshots"][t], results[0]["snapshots"][t]))
+        for a, b in zip(results[0]["snapshots"][t], expected[t]):
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+    assert all(all(r["masked_zero"]) for r in results)
+    assert results[0]["stats"]["warmup"]["steps"] == freeze_step
+    assert results[0]["stats"]["compression"]["steps"] == steps - freeze_step
+
+
+class CountingBackend(TorchDistBackend):
+    """Counts the torch.distributed calls actually issued, independently of onebit's statistics."""
+
+    def __init__(self):
+        super().__init__(expected="gloo")
+        self.calls = 0
+
+    def all_reduce_mean_(self, tensor):
+        self.calls += 1
+        return super().all_reduce_mean_(tensor)
+
+    def all_to_all(self, output, input):
+        self.calls += 1
+        return super().all_to_all(output, input)
+
+    def all_gather(self, output, input):
+        self.calls += 1
+        return super().all_gather(output, input)
+
+
+def _count_rank(rank, world_size):
+    out = {}
+    for tensors in (2, 200):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(500)) for _ in range(tensors)]
+        backend = CountingBackend()
+        opt = OnebitAdam(params, lr=1e-3, freeze_step=1, backend=backend)
+        per_step = []
+        for step in range(3):
+            for i, p in enumerate(params):
+                # rank 1 has no gradient for the first tensor: it counts as zeros, no hang
+                p.grad = None if (rank == 1 and i == 0) else torch.randn(500)
+            before = backend.calls
+            opt.step()
+            per_step.append(backend.calls - before)
+        out[tensors] = {"calls": per_step, "stats": opt.comm_stats(), "numel": 500 * tensors,
+                        "params": [p.detach().clone() for p in params[:3]]}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_per_step_do_not_grow_with_tensors(tmp_path, world_size):
+    results = run_ranks(_count_rank, world_size, tmp_path)
+    for result in results:
+        # one all-reduce in warmup, one all-to-all + one all-gather per compression step
+        assert result[2]["calls"] == [1, 2, 2]
+        assert result[200]["calls"] == [1, 2, 2]
+        assert result[200]["stats"]["last_step"]["collectives"] == 2
+    for tensors in (2, 200):
+        for rank in range(world_size):
+            assert all(torch.equal(a, b) for a, b in zip(results[rank][tensors]["params"], results[0][tensors]["params"]))
+    n, numel = world_size, results[0][200]["numel"]
+    compressed = results[0][200]["stats"]["last_step"]["bytes_sent"]
+    ideal = 2 * (n - 1) / n * numel / 8
+    fp32 = results[0][200]["stats"]["warmup"]["bytes_sent"]
+    assert fp32 == 2 * (n - 1) * numel * 4 // n
+    assert ideal <= compressed <= 1.05 * ideal
+    assert fp32 / compressed >= 30
+
+
+def test_checkpoint_saved_on_2_ranks_loads_on_3(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    run_ranks(_train_rank, 2, tmp_path, 5, 3, None, str(path))
+    saved = torch.load(path)
+    assert saved["optimizer"]["onebit"]["step"] == 5
+    results = run_ranks(_train_rank, 3, tmp_path, 3, 3, str(path))
+    assert results[0]["phase"] == "compression"
+    # The 3-rank continuation equals the simulation of 3 ranks started from the checkpoint with
+    # zero compression errors (the load resets them).
+    expected = simulate(3, 3, 3, start=saved)
+    for t in range(3):
+        for rank in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(results[rank]["snapshots"][t], results[0]["snapshots"][t]))
+        for a, b in zip(results[0]["snapshots"][t], expected[t]):
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_padded_length_rule():
+    assert padded_length(1000, 2) == 1008
+    assert padded_length(1008, 3) == 1008
+    assert padded_length(0, 4) == 32
