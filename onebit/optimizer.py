@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -126,9 +127,19 @@ class OnebitAdam(torch.optim.Optimizer):
             device as the parameter; bool or 0/1 floats. Not saved in checkpoints.
         bucket_size: number of elements per compression bucket; each bucket costs 2 collective
             calls per compression step and 1 per warmup step, however many tensors it holds.
+        nonfinite_grads: ``'skip'`` (default): when any rank's gradients contain NaN or inf (or
+            ``torch.amp.GradScaler`` found an overflow), every rank skips the step, leaving
+            parameters, moments, compression errors and the step count untouched; ``'raise'``:
+            every rank raises ``FloatingPointError``. A NaN never enters error feedback. With
+            GradScaler, ``scaler.step(optimizer)`` hands the scale to this optimizer, which
+            unscales and lets every rank agree on skipping; the scalers' own scales may then
+            differ between ranks for a step, the parameters never do.
         kernels: codec implementation (``'auto'``, ``'reference'``, or a native one); default
             from the ``ONEBIT_KERNELS`` environment variable, else ``'auto'``.
     """
+
+    # torch.amp.GradScaler: set ``grad_scale``/``found_inf`` on the optimizer and always call step().
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -147,6 +158,7 @@ class OnebitAdam(torch.optim.Optimizer):
         momentum_masks: Mapping[torch.Tensor, torch.Tensor] | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         kernels: str | None = None,
+        nonfinite_grads: str = "skip",
     ) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int):
             raise TypeError(f"freeze_step must be an int, got {freeze_step!r} of type {type(freeze_step).__name__}")
@@ -157,6 +169,8 @@ class OnebitAdam(torch.optim.Optimizer):
             )
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"invalid bucket_size: {bucket_size!r}; it must be a positive int (elements)")
+        if nonfinite_grads not in ("skip", "raise"):
+            raise ValueError(f"invalid nonfinite_grads: {nonfinite_grads!r}; expected 'skip' or 'raise'")
         if not isinstance(cuda_aware, bool):
             raise TypeError(f"cuda_aware must be True or False, got {cuda_aware!r}")
         defaults = dict(
@@ -169,6 +183,8 @@ class OnebitAdam(torch.optim.Optimizer):
         self._buckets: list[_Bucket] = []
         self._step = 0
         self._kernel_choice = kernels
+        self.nonfinite_grads = nonfinite_grads
+        self._layout_checked = False
         super().__init__(params, defaults)
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
@@ -323,7 +339,9 @@ class OnebitAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step. Every call updates the parameters (no hidden first-step dry run)."""
+        """One optimizer step. Every call updates the parameters (no hidden first-step dry run),
+        unless the gradients are not finite on some rank: then, by ``nonfinite_grads``, every rank
+        skips the step together (parameters, moments, errors and step count untouched) or raises."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -331,19 +349,15 @@ class OnebitAdam(torch.optim.Optimizer):
         self._check_grads()
         start = time.perf_counter()
         phase = self.phase
-        compressing = phase == "compression"
-        if compressing and self._step == self.freeze_step and self._backend.rank == 0:
-            logger.info("onebit: step %d: variance frozen, switching to 1-bit compressed momentum", self._step + 1)
         self._backend.phase = phase
         self._backend.last_step = PhaseStats()
-        t = self._step + 1
-        for bucket in self._buckets:
-            group = self.param_groups[bucket.group_index]
-            self._bucket_step(bucket, group, t, compressing and bucket.compression is not None)
-        self._step = t
+        if not self._layout_checked:
+            self._check_layout()
+        applied = self._step_buckets(phase == "compression")
         elapsed = time.perf_counter() - start
         for stats in (self._backend.totals[phase], self._backend.last_step):
-            stats.steps += 1
+            stats.steps += int(applied)
+            stats.skipped_steps += int(not applied)
             stats.step_time_s += elapsed
         return loss
 
@@ -357,16 +371,87 @@ class OnebitAdam(torch.optim.Optimizer):
                     raise ValueError("OnebitAdam does not support sparse gradients; use dense embeddings (sparse=False)")
                 if g.shape != p.shape:
                     raise ValueError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
+                if g.device != p.device:
+                    raise ValueError(f"gradient on {g.device} for a parameter on {p.device}; keep them on one device")
 
-    def _bucket_step(self, bucket: _Bucket, group: dict[str, Any], t: int, compressing: bool) -> None:
-        n = bucket.numel
-        beta1, beta2 = group["betas"]
-        grad = bucket.grad[:n]
+    def _check_layout(self) -> None:
+        """First step: one all-gather of a layout hash, so that ranks holding different models
+        fail with the same clear error instead of deadlocking or mixing buffers."""
+        if not self._buckets:
+            self._layout_checked = True
+            return
+        description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
+                             [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in self._buckets])
+        digest = hashlib.sha256(description.encode()).digest()[:8]
+        mine = torch.tensor(list(digest), dtype=torch.uint8, device=self._buckets[0].device)
+        everyone = torch.empty(self._backend.world_size, 8, dtype=torch.uint8, device=mine.device)
+        self._backend.all_gather(everyone, mine)
+        differ = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+        if differ:
+            raise ValueError(
+                f"the parameter layout differs between ranks: ranks {differ} do not match rank 0 (their "
+                "parameter shapes, dtypes, param groups or bucket_size differ); every rank must build the "
+                "same model and the same param groups in the same order"
+            )
+        self._layout_checked = True
+
+    def _gather_grads(self, bucket: _Bucket, inv_scale: torch.Tensor | None) -> None:
+        grad = bucket.grad[:bucket.numel]
         for s, p in zip(bucket.slices, bucket.params):
             if p.grad is None:
                 grad[s].zero_()
             else:
                 grad[s].copy_(p.grad.reshape(-1))
+        if inv_scale is not None:
+            grad.mul_(inv_scale.to(grad.device))
+
+    def _step_buckets(self, compressing: bool) -> bool:
+        """Run one step over all buckets; return False when it was skipped for non-finite grads."""
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        found_inf = getattr(self, "found_inf", None)
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        for bucket in self._buckets:
+            self._gather_grads(bucket, inv_scale)
+        t = self._step + 1
+        # Ranks agree on finiteness before anything changes. Full-precision all-reduces carry a NaN
+        # or inf to every rank by themselves; compressed buckets use one scalar all-reduce instead.
+        local_bad = found_inf is not None and bool(found_inf.item() > 0)
+        compressed = [b for b in self._buckets if compressing and b.compression is not None]
+        if compressed:
+            local_bad = local_bad or not all(bool(torch.isfinite(b.grad[:b.numel]).all()) for b in self._buckets)
+            flag = torch.tensor([float(local_bad)], device=compressed[0].device)
+            self._backend.all_reduce_mean_(flag)
+            bad_ranks = round(flag.item() * self._backend.world_size)
+        for bucket in self._buckets:
+            if bucket not in compressed:
+                self._backend.all_reduce_mean_(bucket.grad[:bucket.numel])
+        if not compressed:
+            averaged_bad = not all(bool(torch.isfinite(b.grad[:b.numel]).all()) for b in self._buckets)
+            bad_ranks = int(averaged_bad or local_bad)
+        if bad_ranks:
+            return self._nonfinite(t, bad_ranks, bool(compressed))
+        if compressing and self._step == self.freeze_step and self._backend.rank == 0:
+            logger.info("onebit: step %d: variance frozen, switching to 1-bit compressed momentum", t)
+        for bucket in self._buckets:
+            self._bucket_update(bucket, self.param_groups[bucket.group_index], t, bucket in compressed)
+        self._step = t
+        return True
+
+    def _nonfinite(self, t: int, bad_ranks: int, counted: bool) -> bool:
+        where = f"on {bad_ranks} of {self._backend.world_size} ranks" if counted else "in the averaged gradients"
+        if self.nonfinite_grads == "raise":
+            raise FloatingPointError(
+                f"non-finite gradients {where} at step {t}; nothing was changed. Pass nonfinite_grads='skip' "
+                "to skip such steps on every rank (as AMP's GradScaler expects)"
+            )
+        if self._backend.rank == 0:
+            logger.debug("onebit: step %d skipped on every rank: non-finite gradients %s", t, where)
+        return False
+
+    def _bucket_update(self, bucket: _Bucket, group: dict[str, Any], t: int, compressing: bool) -> None:
+        n = bucket.numel
+        beta1, beta2 = group["betas"]
+        grad = bucket.grad[:n]
         m, v = bucket.exp_avg, bucket.exp_avg_sq
         if compressing:
             F.momentum_(m[:n], grad, beta1)
@@ -374,7 +459,6 @@ class OnebitAdam(torch.optim.Optimizer):
             m[n:].zero_()
             variance_step = self.freeze_step
         else:
-            self._backend.all_reduce_mean_(grad)
             F.adam_moments_(m[:n], v[:n], grad, beta1, beta2)
             variance_step = t
         if bucket.mask is not None:

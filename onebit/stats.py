@@ -26,6 +26,7 @@ PHASES = ("warmup", "compression")
 @dataclass
 class PhaseStats:
     steps: int = 0
+    skipped_steps: int = 0
     bytes_sent: int = 0
     collectives: int = 0
     comm_time_s: float = 0.0

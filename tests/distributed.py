@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _worker(fn, rank: int, world_size: int, out_dir: str, args: tuple) -> None:
+def _worker(fn, rank: int, world_size: int, out_dir: str, args: tuple, collective_timeout: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     out = Path(out_dir)
@@ -31,7 +31,7 @@ def _worker(fn, rank: int, world_size: int, out_dir: str, args: tuple) -> None:
             init_method=f"file://{out / 'store'}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=collective_timeout),
         )
         result = fn(rank, world_size, *args)
         torch.save(result, out / f"result{rank}.pt")
@@ -42,11 +42,13 @@ def _worker(fn, rank: int, world_size: int, out_dir: str, args: tuple) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 120.0) -> list:
+def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 120.0,
+              collective_timeout: float = COLLECTIVE_TIMEOUT_S, allow_missing: bool = False) -> list:
+    """``allow_missing``: a rank that exits without a result (on purpose) gives ``None``."""
     out = Path(tmp_path) / f"ranks{world_size}_{fn.__name__}"
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, str(out), args)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, str(out), args, collective_timeout)) for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -63,4 +65,11 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 120.0
         pytest.fail(f"rank {first} of {world_size} raised:\n{errors[first]}", pytrace=False)
     if hung:
         pytest.fail(f"ranks {hung} of {world_size} did not finish within {timeout} s (hung collective?)", pytrace=False)
-    return [torch.load(out / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+    results = []
+    for r in range(world_size):
+        path = out / f"result{r}.pt"
+        if not path.exists() and allow_missing:
+            results.append(None)
+            continue
+        results.append(torch.load(path, weights_only=False))
+    return results
