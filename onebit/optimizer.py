@@ -185,6 +185,7 @@ class OnebitAdam(torch.optim.Optimizer):
         self._kernel_choice = kernels
         self.nonfinite_grads = nonfinite_grads
         self._layout_checked = False
+        self._warmup_grads_averaged = False
         super().__init__(params, defaults)
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
@@ -325,6 +326,14 @@ class OnebitAdam(torch.optim.Optimizer):
             "server_error_norm": norm(server),
         }
 
+    def set_warmup_gradients_averaged(self, averaged: bool) -> None:
+        """Declare that gradients arrive already averaged over ranks in the warmup phase (e.g. by
+        DDP with :func:`onebit.integrations.attach_ddp`), so ``step()`` does not all-reduce them
+        again. In the compression phase gradients must be local, whatever this says."""
+        if not isinstance(averaged, bool):
+            raise TypeError(f"averaged must be True or False, got {averaged!r}")
+        self._warmup_grads_averaged = averaged
+
     def reset_compression_errors(self) -> None:
         """Zero the worker and server errors of every bucket (what ``load_state_dict`` does)."""
         for bucket in self._buckets:
@@ -423,7 +432,7 @@ class OnebitAdam(torch.optim.Optimizer):
             self._backend.all_reduce_mean_(flag)
             bad_ranks = round(flag.item() * self._backend.world_size)
         for bucket in self._buckets:
-            if bucket not in compressed:
+            if bucket not in compressed and not (self._warmup_grads_averaged and not compressing):
                 self._backend.all_reduce_mean_(bucket.grad[:bucket.numel])
         if not compressed:
             averaged_bad = not all(bool(torch.isfinite(b.grad[:b.numel]).all()) for b in self._buckets)

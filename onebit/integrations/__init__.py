@@ -1,0 +1,5 @@
+"""Adapters for training loops that communicate on their own (DDP, and through it HF Trainer)."""
+
+from .ddp import attach_ddp, onebit_ddp_hook
+
+__all__ = ["attach_ddp", "onebit_ddp_hook"]
