@@ -74,11 +74,11 @@ def test_two_half_batches_track_one_full_batch(tmp_path, mode):
     full = run_ranks(_run, 2, tmp_path / "full", "plain")
     halves = run_ranks(_run, 2, tmp_path / mode, mode)
     warm = _max_diff(full[0]["snapshots"][:FREEZE], halves[0]["snapshots"][:FREEZE])
-    assert warm < 1e-5
-    # Compression: summation order differs in the last bit, which may flip the sign of a tiny
-    # compressed coordinate; the trajectories stay within a small fraction of the weights.
+    assert warm < 1e-6  # measured 3.0e-8 (summation order)
+    # Compression amplifies last-bit differences only through the scales; a flipped sign of a
+    # near-zero coordinate would cost ~lr. Measured on 2026-11-21: 4.2e-7 after 7 steps.
     total = _max_diff(full[0]["snapshots"], halves[0]["snapshots"])
-    assert total < 2e-2 * 3
+    assert total < 1e-3
 
 
 def _amp(rank, world_size, param_dtype, autocast):
