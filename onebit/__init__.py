@@ -7,6 +7,7 @@ compressed all-reduce (Tang et al., 2021, arXiv 2102.02888).
 
 from .backends import BACKEND_NAMES, CommBackend, LocalBackend
 from .collectives import CompressionState, compressed_allreduce_
+from .config import from_config
 from .optimizer import OnebitAdam
 
 __version__ = "0.1.0"
@@ -18,5 +19,6 @@ __all__ = [
     "LocalBackend",
     "OnebitAdam",
     "compressed_allreduce_",
+    "from_config",
     "__version__",
 ]

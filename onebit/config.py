@@ -1,0 +1,249 @@
+"""Build :class:`onebit.OnebitAdam` from a DeepSpeed-style config (dict, JSON file or YAML file).
+
+A whole DeepSpeed config is accepted as it is; only its optimizer section is read::
+
+    {
+      "train_batch_size": 4096,                      # other sections: ignored (one log line)
+      "optimizer": {
+        "type": "OneBitAdam",                        # case-insensitive
+        "params": {"lr": 4e-4, "weight_decay": 0.01, "freeze_step": 23000,
+                   "cuda_aware": false, "comm_backend_name": "nccl"}
+      }
+    }
+
+``params`` takes DeepSpeed's keys (``lr``, ``betas``, ``eps``, ``weight_decay``, ``freeze_step``,
+``cuda_aware``, ``comm_backend_name``, ``bias_correction``) and every other keyword argument of
+:class:`OnebitAdam` that is a plain value (``bucket_size``, ``kernels``, ...): :data:`CONFIG_KEYS`.
+Only the keys present are passed on: every default is :class:`OnebitAdam`'s.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .backends import CommBackend
+from .optimizer import OnebitAdam
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["from_config", "load_config", "optimizer_kwargs", "CONFIG_KEYS"]
+
+OPTIMIZER_TYPE = "OneBitAdam"
+_SECTION = "optimizer"
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pair(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(_real(v) for v in value)
+
+
+def _optional_str(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+# key -> (type check, what it must be), for the value types a file can hold. Ranges, and keys
+# without an entry here, are checked by OnebitAdam itself.
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "lr": (_real, "a number"),
+    "betas": (_pair, "a list of two numbers [beta1, beta2]"),
+    "eps": (_real, "a number"),
+    "weight_decay": (_real, "a number"),
+    "freeze_step": (_integer, "an integer (a number of steps)"),
+    "bias_correction": (lambda v: isinstance(v, bool), "true or false"),
+    "cuda_aware": (lambda v: isinstance(v, bool), "true or false"),
+    "comm_backend_name": (_optional_str, "a string such as \"gloo\", \"nccl\", \"hccl\" or \"mpi\", or null"),
+    "bucket_size": (_integer, "an integer (elements per bucket)"),
+    "kernels": (_optional_str, "a string such as \"auto\" or \"reference\", or null"),
+    "nonfinite_grads": (lambda v: isinstance(v, str), "a string such as \"skip\" or \"raise\""),
+}
+
+# OnebitAdam arguments that take Python objects: arguments of from_config instead.
+_NOT_IN_FILES = ("params", "backend", "group", "momentum_masks")
+
+
+def _config_keys() -> tuple[str, ...]:
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(OnebitAdam.__init__).parameters.values()
+    return tuple(sorted(p.name for p in parameters if p.kind in kinds and p.name not in ("self", *_NOT_IN_FILES)))
+
+
+#: keys accepted in ``optimizer.params``: OnebitAdam's keyword arguments that are plain values
+CONFIG_KEYS = _config_keys()
+
+# Keys DeepSpeed's OnebitAdam accepted and ignored: onebit refuses them with the reason.
+_DEEPSPEED_IGNORED = {
+    "eps_inside_sqrt": "eps is always added outside the square root (DeepSpeed's behaviour)",
+    "max_grad_norm": "clip gradients in the training loop (torch.nn.utils.clip_grad_norm_) before step()",
+    "amsgrad": "AMSGrad is not implemented",
+}
+
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """Return the config as a new dict: a mapping is copied (shallowly), a path is read.
+
+    ``.json`` files are read with :mod:`json`, ``.yaml``/``.yml`` files with PyYAML (optional).
+    """
+    if isinstance(config, Mapping):
+        return dict(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(
+            f"config must be a dict or the path of a .json/.yaml file, got {type(config).__name__}"
+        )
+    path = Path(config)
+    suffix = path.suffix.lower()
+    if suffix != ".json" and suffix not in _YAML_SUFFIXES:
+        raise ValueError(
+            f"cannot tell the format of config file {str(path)!r} from its suffix {path.suffix!r}; "
+            "name it *.json, *.yaml or *.yml, or load it yourself and pass the dict"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
+    else:
+        try:
+            import yaml
+        except ImportError as exc:
+            raise ImportError(
+                f"reading the YAML config {str(path)!r} needs PyYAML: pip install pyyaml "
+                "(or use a .json file, or pass a dict)"
+            ) from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"config file {str(path)!r} must hold a mapping at the top level "
+            f"(e.g. {{\"optimizer\": {{...}}}}), got {type(data).__name__}"
+        )
+    return dict(data)
+
+
+def _type_error(key: str, value: Any, expected: str) -> TypeError:
+    hint = ""
+    if isinstance(value, str) and _real_string(value):
+        hint = "; write the number without quotes"
+        if "e" in value.lower() and "." not in value:
+            # PyYAML reads YAML 1.1, where 1e-3 (no dot) is a string, not a float.
+            hint += f" (in YAML, {value} without a dot is read as a string: write e.g. 1.0e-3)"
+    return TypeError(
+        f"optimizer.params.{key} must be {expected}, got {value!r} of type {type(value).__name__}{hint}"
+    )
+
+
+def _real_string(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Validate a (whole) config; return the keyword arguments for :class:`OnebitAdam` found in its
+    optimizer section and the names of the other top-level sections (not read by onebit)."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping, got {type(config).__name__}")
+    if _SECTION not in config:
+        found = ", ".join(repr(k) for k in config) or "none"
+        raise ValueError(
+            f"config has no 'optimizer' section (top-level keys: {found}); add "
+            f"{{\"optimizer\": {{\"type\": \"{OPTIMIZER_TYPE}\", \"params\": {{\"lr\": ..., \"freeze_step\": ...}}}}}}"
+        )
+    others = sorted(str(k) for k in config if k != _SECTION)
+    section = config[_SECTION]
+    if not isinstance(section, Mapping):
+        raise TypeError(
+            f"config 'optimizer' must be a mapping {{\"type\": ..., \"params\": {{...}}}}, got {type(section).__name__}"
+        )
+    extra = sorted(str(k) for k in section if k not in ("type", "params"))
+    if extra:
+        raise ValueError(f"unknown keys {extra} in the 'optimizer' section; it takes only 'type' and 'params'")
+    if "type" not in section:
+        raise ValueError(f"the 'optimizer' section has no 'type'; set \"type\": \"{OPTIMIZER_TYPE}\"")
+    kind = section["type"]
+    if not isinstance(kind, str):
+        raise TypeError(f"optimizer.type must be a string, got {kind!r} of type {type(kind).__name__}")
+    if kind.lower() != OPTIMIZER_TYPE.lower():
+        raise ValueError(
+            f"unsupported optimizer type {kind!r}; onebit builds only {OPTIMIZER_TYPE!r} (case-insensitive): "
+            f"set \"type\": \"{OPTIMIZER_TYPE}\" or build {kind!r} another way"
+        )
+    params = section.get("params", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise TypeError(f"optimizer.params must be a mapping of keyword arguments, got {type(params).__name__}")
+    kwargs: dict[str, Any] = {}
+    for key, value in params.items():
+        if key in _DEEPSPEED_IGNORED:
+            raise ValueError(
+                f"optimizer.params.{key} is not supported ({_DEEPSPEED_IGNORED[key]}); DeepSpeed accepted "
+                f"and ignored it, onebit does not: remove {key!r} from the config"
+            )
+        if key not in CONFIG_KEYS:
+            valid = ", ".join(repr(k) for k in CONFIG_KEYS)
+            raise ValueError(f"unknown key {key!r} in optimizer.params; expected some of {valid}")
+        check, expected = _CHECKS.get(key, (lambda v: True, ""))
+        if not check(value):
+            raise _type_error(key, value, expected)
+        kwargs[key] = tuple(value) if key == "betas" else value
+    return kwargs, others
+
+
+def from_config(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    config: Mapping[str, Any] | str | os.PathLike,
+    *,
+    backend: CommBackend | None = None,
+    group: Any = None,
+    momentum_masks: Mapping[torch.Tensor, torch.Tensor] | None = None,
+) -> OnebitAdam:
+    """Build a ready :class:`OnebitAdam` (with its backend) from a DeepSpeed-style config.
+
+    Args:
+        params: the model's parameters or param groups, as for any optimizer.
+        config: a dict, or the path of a ``.json`` or ``.yaml``/``.yml`` file (YAML needs PyYAML).
+            A whole DeepSpeed config is fine: only ``"optimizer"`` is read; the other top-level
+            sections are named in one log line and otherwise ignored.
+        backend: a :class:`onebit.backends.CommBackend` object (then the config must not set
+            ``comm_backend_name``).
+        group: the torch.distributed process group or mpi4py communicator of the data-parallel
+            ranks (default: the whole job).
+        momentum_masks: ``{param: mask}``, as for :class:`OnebitAdam` (not expressible in a file).
+
+    Raises:
+        ValueError / TypeError: a missing optimizer section, another optimizer type, an unknown
+            key in ``params`` (the message lists the valid ones), or a value of the wrong type.
+    """
+    kwargs, others = optimizer_kwargs(load_config(config))
+    if backend is not None and "comm_backend_name" in kwargs:
+        raise ValueError(
+            f"the config sets comm_backend_name={kwargs['comm_backend_name']!r} and backend= was passed too; "
+            "remove comm_backend_name from the config or do not pass backend="
+        )
+    optimizer = OnebitAdam(params, backend=backend, group=group, momentum_masks=momentum_masks, **kwargs)
+    if others and optimizer.backend.rank == 0:
+        logger.info("onebit: config sections not read by onebit (apply them yourself if needed): %s", ", ".join(others))
+    return optimizer

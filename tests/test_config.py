@@ -1,0 +1,323 @@
+"""onebit.from_config: DeepSpeed-style configs (dict, JSON, YAML) -> OnebitAdam with its backend."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onebit import LocalBackend, OnebitAdam, from_config
+from onebit.backends.torch_dist import TorchDistBackend
+from onebit.config import CONFIG_KEYS, load_config, optimizer_kwargs
+
+# DeepSpeed's own 1-bit Adam examples (docs/_tutorials/onebit-adam.md): BERT pretraining ...
+BERT_PRETRAINING = {
+    "train_batch_size": 4096,
+    "train_micro_batch_size_per_gpu": 16,
+    "steps_per_print": 100,
+    "prescale_gradients": False,
+    "optimizer": {
+        "type": "OneBitAdam",
+        "params": {
+            "lr": 4e-4,
+            "weight_decay": 0.01,
+            "bias_correction": False,
+            "freeze_step": 23000,
+            "cuda_aware": False,
+            "comm_backend_name": "nccl",
+        },
+    },
+    "gradient_clipping": 1.0,
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+}
+# ... and SQuAD fine-tuning.
+SQUAD_FINETUNING = {
+    "train_batch_size": 96,
+    "train_micro_batch_size_per_gpu": 3,
+    "steps_per_print": 100,
+    "optimizer": {
+        "type": "OneBitAdam",
+        "params": {
+            "lr": 3e-5,
+            "freeze_step": 400,
+            "weight_decay": 0.0,
+            "bias_correction": False,
+            "cuda_aware": False,
+            "comm_backend_name": "nccl",
+        },
+    },
+    "gradient_clipping": 1.0,
+    "fp16": {"enabled": True},
+}
+
+
+def _params():
+    return [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.zeros(3))]
+
+
+def _section(**params):
+    return {"optimizer": {"type": "OneBitAdam", "params": params}}
+
+
+def _with_backend(config, name):
+    config = copy.deepcopy(config)
+    config["optimizer"]["params"]["comm_backend_name"] = name
+    return config
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A one-process gloo process group (world size 1), destroyed afterwards."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _hyperparameters(opt: OnebitAdam) -> dict:
+    group = opt.param_groups[0]
+    return {
+        "lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"],
+        "weight_decay": group["weight_decay"], "bias_correction": group["bias_correction"],
+        "freeze_step": opt.freeze_step, "bucket_size": opt.bucket_size,
+    }
+
+
+# ----------------------------------------------------------------------------- what it builds
+
+
+def test_dict_config_sets_every_hyperparameter():
+    config = _section(lr=0.005, betas=[0.8, 0.99], eps=1e-6, weight_decay=0.1, freeze_step=7,
+                      bias_correction=True, bucket_size=1000, kernels="reference")
+    backend = LocalBackend()
+    opt = from_config(_params(), config, backend=backend)
+    assert isinstance(opt, OnebitAdam) and opt.backend is backend
+    assert _hyperparameters(opt) == {
+        "lr": 0.005, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1, "bias_correction": True,
+        "freeze_step": 7, "bucket_size": 1000,
+    }
+
+
+def test_absent_keys_take_onebitadam_defaults():
+    params = _params()
+    from_file = from_config(params, _section(freeze_step=5), backend=LocalBackend())
+    direct = OnebitAdam(_params(), freeze_step=5, backend=LocalBackend())
+    assert _hyperparameters(from_file) == _hyperparameters(direct)
+    assert from_config(_params(), {"optimizer": {"type": "OneBitAdam"}}).freeze_step == OnebitAdam(_params()).freeze_step
+
+
+@pytest.mark.parametrize("name", ["OneBitAdam", "OnebitAdam", "onebitadam", "ONEBITADAM"])
+def test_optimizer_type_is_matched_case_insensitively(name):
+    opt = from_config(_params(), {"optimizer": {"type": name, "params": {"lr": 0.5}}}, backend=LocalBackend())
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_json_file_and_path_objects_build_the_same_optimizer(tmp_path):
+    path = tmp_path / "ds_config.json"
+    config = _with_backend(SQUAD_FINETUNING, "local")
+    path.write_text(json.dumps(config))
+    for source in (path, str(path), config):
+        opt = from_config(_params(), source)
+        assert opt.backend.name == "local"
+        assert _hyperparameters(opt)["lr"] == 3e-5 and opt.freeze_step == 400
+        assert opt.param_groups[0]["weight_decay"] == 0.0 and opt.param_groups[0]["bias_correction"] is False
+
+
+def test_yaml_file_builds_the_optimizer(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "ds_config.yaml"
+    path.write_text(
+        "train_batch_size: 32\n"
+        "optimizer:\n"
+        "  type: OneBitAdam\n"
+        "  params:\n"
+        "    lr: 2.0e-4\n"
+        "    betas: [0.9, 0.98]\n"
+        "    freeze_step: 12\n"
+        "    comm_backend_name: local\n"
+    )
+    for source in (path, tmp_path / "ds_config.yml"):
+        if source.suffix == ".yml":
+            source.write_text(path.read_text())
+        opt = from_config(_params(), source)
+        assert _hyperparameters(opt)["lr"] == 2e-4 and _hyperparameters(opt)["betas"] == (0.9, 0.98)
+        assert opt.freeze_step == 12 and opt.backend.name == "local"
+
+
+def test_yaml_exponent_without_a_dot_gets_a_hint(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  type: OneBitAdam\n  params:\n    lr: 1e-3\n")  # a string in YAML 1.1
+    with pytest.raises(TypeError, match=r"optimizer\.params\.lr must be a number, got '1e-3'.*write e\.g\. 1\.0e-3"):
+        from_config(_params(), path, backend=LocalBackend())
+
+
+def test_yaml_without_pyyaml_raises_importerror_naming_the_package(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer: {type: OneBitAdam}\n")
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    with pytest.raises(ImportError, match="needs PyYAML: pip install pyyaml") as info:
+        from_config(_params(), path, backend=LocalBackend())
+    assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_deepspeed_bert_pretraining_section_gives_its_keyword_arguments():
+    kwargs, others = optimizer_kwargs(BERT_PRETRAINING)
+    assert kwargs == {"lr": 4e-4, "weight_decay": 0.01, "bias_correction": False, "freeze_step": 23000,
+                      "cuda_aware": False, "comm_backend_name": "nccl"}
+    assert others == ["fp16", "gradient_clipping", "prescale_gradients", "steps_per_print",
+                      "train_batch_size", "train_micro_batch_size_per_gpu"]
+
+
+@pytest.mark.parametrize("config", [BERT_PRETRAINING, SQUAD_FINETUNING], ids=["bert", "squad"])
+def test_deepspeed_examples_build_on_gloo_and_keep_their_hyperparameters(gloo_group, config):
+    opt = from_config(_params(), _with_backend(config, "gloo"))
+    assert isinstance(opt.backend, TorchDistBackend) and opt.backend.name == "gloo"
+    params = config["optimizer"]["params"]
+    got = _hyperparameters(opt)
+    assert (got["lr"], got["weight_decay"], got["freeze_step"]) == (params["lr"], params["weight_decay"], params["freeze_step"])
+
+
+@pytest.mark.parametrize("config", [BERT_PRETRAINING, SQUAD_FINETUNING], ids=["bert", "squad"])
+def test_deepspeed_examples_naming_nccl_refuse_a_gloo_process_group(gloo_group, config):
+    with pytest.raises(ValueError, match=r"comm_backend_name='nccl' but the process group uses 'gloo'"):
+        from_config(_params(), config)
+
+
+def test_deepspeed_example_naming_mpi_builds_an_mpi_backend(tmp_path):
+    pytest.importorskip("mpi4py")
+    path = tmp_path / "bert_mpi.json"
+    path.write_text(json.dumps(_with_backend(BERT_PRETRAINING, "mpi")))
+    code = (
+        "import json, sys, torch, onebit\n"
+        "opt = onebit.from_config([torch.nn.Parameter(torch.zeros(3))], sys.argv[1])\n"
+        "print(json.dumps([type(opt.backend).__name__, opt.backend.world_size, opt.param_groups[0]['lr'], "
+        "opt.freeze_step]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "ONEBIT_TEST_MPI"))}
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["MPIBackend", 1, 4e-4, 23000]
+
+
+def test_other_deepspeed_sections_are_named_in_one_log_line(caplog):
+    caplog.set_level(logging.INFO, logger="onebit.config")
+    opt = from_config(_params(), _with_backend(BERT_PRETRAINING, "local"))
+    records = [r for r in caplog.records if r.name == "onebit.config"]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    for section in ("fp16", "gradient_clipping", "train_batch_size", "steps_per_print"):
+        assert section in message
+    assert opt.freeze_step == 23000
+
+
+def test_an_optimizer_section_alone_logs_nothing(caplog):
+    caplog.set_level(logging.DEBUG, logger="onebit.config")
+    from_config(_params(), _section(lr=0.1), backend=LocalBackend())
+    assert not [r for r in caplog.records if r.name == "onebit.config"]
+
+
+def test_from_config_does_not_mutate_the_config():
+    config = _with_backend(BERT_PRETRAINING, "local")
+    config["optimizer"]["params"]["betas"] = [0.9, 0.95]
+    before = copy.deepcopy(config)
+    from_config(_params(), config)
+    assert config == before
+
+
+def test_every_plain_keyword_of_onebitadam_is_a_config_key():
+    signature = inspect.signature(OnebitAdam.__init__).parameters
+    plain = {n for n in signature if n not in ("self", "params", "backend", "group", "momentum_masks")}
+    assert set(CONFIG_KEYS) == plain
+    deepspeed = {"lr", "betas", "eps", "weight_decay", "freeze_step", "cuda_aware", "comm_backend_name", "bias_correction"}
+    assert deepspeed <= set(CONFIG_KEYS)
+
+
+def test_momentum_masks_and_group_are_passed_through():
+    params = _params()
+    mask = torch.ones(4, 3)
+    mask[0] = 0
+    opt = from_config(params, _section(lr=0.1, freeze_step=1), backend=LocalBackend(), momentum_masks={params[0]: mask})
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.all(opt.state[params[0]]["exp_avg"][0] == 0)
+    assert torch.all(opt.state[params[0]]["exp_avg"][1:] != 0)
+
+
+def test_load_config_copies_a_mapping():
+    config = _section(lr=0.1)
+    loaded = load_config(config)
+    assert loaded == config and loaded is not config
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD_CONFIGS = [
+    ({}, ValueError, r"config has no 'optimizer' section \(top-level keys: none\); add"),
+    ({"train_batch_size": 8}, ValueError, r"no 'optimizer' section \(top-level keys: 'train_batch_size'\)"),
+    ({"optimizer": ["OneBitAdam"]}, TypeError, r"config 'optimizer' must be a mapping"),
+    ({"optimizer": {"params": {}}}, ValueError, r"the 'optimizer' section has no 'type'; set \"type\": \"OneBitAdam\""),
+    ({"optimizer": {"type": "Adam"}}, ValueError, r"unsupported optimizer type 'Adam'; onebit builds only 'OneBitAdam'"),
+    ({"optimizer": {"type": "OneBitLamb"}}, ValueError, r"unsupported optimizer type 'OneBitLamb'"),
+    ({"optimizer": {"type": 1}}, TypeError, r"optimizer.type must be a string, got 1 of type int"),
+    ({"optimizer": {"type": "OneBitAdam", "param": {}}}, ValueError, r"unknown keys \['param'\] in the 'optimizer' section"),
+    ({"optimizer": {"type": "OneBitAdam", "params": [0.1]}}, TypeError, r"optimizer.params must be a mapping"),
+    (_section(learning_rate=0.1), ValueError,
+     r"unknown key 'learning_rate' in optimizer.params; expected some of 'betas', 'bias_correction', .*'lr'"),
+    (_section(max_grad_norm=1.0), ValueError, r"optimizer.params.max_grad_norm is not supported .*remove 'max_grad_norm'"),
+    (_section(amsgrad=False), ValueError, r"optimizer.params.amsgrad is not supported \(AMSGrad is not implemented\)"),
+    (_section(eps_inside_sqrt=False), ValueError, r"optimizer.params.eps_inside_sqrt is not supported"),
+    (_section(lr="0.001"), TypeError,
+     r"optimizer.params.lr must be a number, got '0.001' of type str; write the number without quotes"),
+    (_section(lr=None), TypeError, r"optimizer.params.lr must be a number, got None"),
+    (_section(weight_decay=True), TypeError, r"optimizer.params.weight_decay must be a number, got True"),
+    (_section(freeze_step=23000.0), TypeError,
+     r"optimizer.params.freeze_step must be an integer \(a number of steps\), got 23000.0"),
+    (_section(betas=[0.9]), TypeError, r"optimizer.params.betas must be a list of two numbers \[beta1, beta2\], got \[0.9\]"),
+    (_section(cuda_aware="false"), TypeError, r"optimizer.params.cuda_aware must be true or false, got 'false'"),
+    (_section(comm_backend_name=5), TypeError, r"optimizer.params.comm_backend_name must be a string"),
+    (_section(comm_backend_name="ncl"), ValueError, r"unknown comm_backend_name 'ncl'; expected one of 'gloo', 'hccl'"),
+    (_section(lr=-1.0), ValueError, r"invalid lr: -1.0"),
+    (_section(freeze_step=0), ValueError, r"invalid freeze_step: 0"),
+    (_section(comm_backend_name="gloo", cuda_aware=True), ValueError, r"cuda_aware=True applies only to comm_backend_name='mpi'"),
+    (42, TypeError, r"config must be a dict or the path of a .json/.yaml file, got int"),
+    ("ds_config.txt", ValueError, r"cannot tell the format of config file 'ds_config.txt' from its suffix '.txt'"),
+    ("no/such/ds_config.json", FileNotFoundError, r"config file 'no/such/ds_config.json' does not exist"),
+]
+
+
+@pytest.mark.parametrize("config, error, pattern", BAD_CONFIGS, ids=[p.replace("\\", "")[:48] for _, _, p in BAD_CONFIGS])
+def test_bad_config_raises_with_the_fix_in_the_message(config, error, pattern):
+    with pytest.raises(error, match=pattern):
+        from_config(_params(), config)
+
+
+@pytest.mark.parametrize("text, error, pattern", [
+    ("{\"optimizer\": ", ValueError, r"is not valid JSON"),
+    ("[1, 2]", TypeError, r"must hold a mapping at the top level .* got list"),
+])
+def test_bad_json_file_raises_naming_the_file(tmp_path, text, error, pattern):
+    path = tmp_path / "broken.json"
+    path.write_text(text)
+    with pytest.raises(error, match=pattern) as info:
+        from_config(_params(), path)
+    assert "broken.json" in str(info.value)
+
+
+def test_backend_object_and_comm_backend_name_in_the_config_conflict():
+    with pytest.raises(ValueError, match=r"sets comm_backend_name='gloo' and backend= was passed too"):
+        from_config(_params(), _section(comm_backend_name="gloo"), backend=LocalBackend())
