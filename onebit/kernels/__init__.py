@@ -102,3 +102,9 @@ def get_kernels(device: torch.device | str, implementation: str | None = None) -
             except AttributeError:
                 pass
         return REFERENCE
+
+
+# Native implementations register themselves; importing them compiles nothing (that happens on the
+# first get_kernels that wants them) and never imports optional packages such as CuPy.
+from . import cpu as _cpu  # noqa: E402,F401
+from . import cuda as _cuda  # noqa: E402,F401

@@ -1,0 +1,496 @@
+// Fused CPU sign-pack kernels for onebit, loaded with ctypes by onebit/kernels/cpu.py.
+//
+// Every function equals onebit.kernels.reference bit for bit (see that module for the sign, bit
+// order and error conventions). No torch or Python headers: this file compiles in a few seconds.
+//
+// Scale. The sum of squares is the *blocked sum* of onebit/kernels/blocked.py, which the CUDA
+// kernels in kernels/onebit_kernels.cu compute too:
+//   * the input is cut into blocks of 1024 elements (32 steps of 32 lanes); lane l of block k
+//     sums (double)b[1024k + 32j + l]^2 for j = 0..31 in increasing j, starting from 0.0;
+//   * the list of all lane sums (block-major) is reduced by the adjacent pairwise tree (level by
+//     level, v[i] = v[2i] + v[2i+1], a lone last element carried up unchanged);
+//   * scale = (float)sqrt(S / (double)n).
+// A float's square is exact in double, so an FMA (acc + b*b) rounds exactly like a separate
+// multiply and add, and the result depends neither on vector width nor on thread count.
+//
+// Every other operation is one IEEE float32 operation per element (add, subtract, divide by n),
+// in the same order as the reference. Negation only flips the sign bit, so q*s is s with its sign
+// bit flipped where q = -1. Build with -ffp-contract=off (cpu.py does).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ONEBIT_X86 1
+#else
+#define ONEBIT_X86 0
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 32;
+constexpr int64_t kSteps = 32;
+constexpr int64_t kBlock = kLanes * kSteps;  // elements per block of the blocked sum
+constexpr int64_t kMinElementsPerThread = int64_t{1} << 18;
+constexpr int64_t kStreamBytes = int64_t{64} << 20;  // decode outputs from 64 MiB on: streaming stores
+
+bool g_force_scalar = false;  // testing hook: run the portable paths on an AVX2 machine
+
+// ---------------------------------------------------------------------------------------------
+// Threading: a plain fork-join over [0, n) in `threads` contiguous ranges.
+
+template <typename F>
+void parallel_ranges(int64_t n, int threads, F&& fn) {
+    if (threads <= 1 || n <= 1) {
+        fn(int64_t{0}, n);
+        return;
+    }
+    if (threads > n) threads = static_cast<int>(n);
+    const int64_t per = (n + threads - 1) / threads;
+    std::vector<std::thread> pool;
+    pool.reserve(threads - 1);
+    for (int t = 1; t < threads; ++t) {
+        const int64_t lo = t * per;
+        const int64_t hi = lo + per < n ? lo + per : n;
+        if (lo >= hi) break;
+        pool.emplace_back([&fn, lo, hi] { fn(lo, hi); });
+    }
+    fn(int64_t{0}, per < n ? per : n);
+    for (auto& th : pool) th.join();
+}
+
+int clamp_threads(int threads, int64_t work_items) {
+    if (threads < 1) threads = 1;
+    const int64_t useful = work_items / kMinElementsPerThread;
+    if (useful < threads) threads = useful < 1 ? 1 : static_cast<int>(useful);
+    return threads;
+}
+
+// Adjacent pairwise tree, level by level; a lone last element is carried up unchanged.
+double pairwise_tree(double* v, int64_t n) {
+    if (n == 0) return 0.0;
+    while (n > 1) {
+        const int64_t half = n / 2;
+        for (int64_t i = 0; i < half; ++i) v[i] = v[2 * i] + v[2 * i + 1];
+        if (n & 1) v[half] = v[n - 1];
+        n = half + (n & 1);
+    }
+    return v[0];
+}
+
+float scale_from_sumsq(double sumsq, int64_t n) {
+    return static_cast<float>(std::sqrt(sumsq / static_cast<double>(n)));
+}
+
+inline bool positive(float v) { return !(v < 0.0f); }  // 0, -0.0 and NaN code as +1
+
+// q_j * s for bit (7 - j) of `byte`: s, or s with its sign bit flipped (which is exactly -s).
+inline float signed_value(float s, unsigned byte, int j) {
+    uint32_t u;
+    std::memcpy(&u, &s, sizeof u);
+    u ^= ((~byte >> (7 - j)) & 1u) << 31;
+    std::memcpy(&s, &u, sizeof s);
+    return s;
+}
+
+// A byte-addressed buffer made of rows: byte i lives at base + (i / row_len) * stride + i % row_len.
+struct ByteRows {
+    uint8_t* base;
+    int64_t row_len;
+    int64_t stride;
+    uint8_t* at(int64_t i) const { return base + (i / row_len) * stride + i % row_len; }
+};
+
+// Calls fn(first_byte, count, pointer) for the contiguous runs of bytes [lo, hi) of `rows`.
+template <typename F>
+void for_each_run(const ByteRows& rows, int64_t lo, int64_t hi, F&& fn) {
+    while (lo < hi) {
+        const int64_t in_row = rows.row_len - lo % rows.row_len;
+        const int64_t count = in_row < hi - lo ? in_row : hi - lo;
+        fn(lo, count, rows.at(lo));
+        lo += count;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element sources, portable: value(i) gives element i; value8(i, v) elements i..i+7 (i % 8 == 0).
+
+struct PlainSource {  // the sum-of-squares test hook
+    const float* b;
+    float value(int64_t i) const { return b[i]; }
+    void value8(int64_t i, float* v) const {
+        for (int j = 0; j < 8; ++j) v[j] = b[i + j];
+    }
+};
+
+struct WorkerSource {  // b = x + e
+    const float* x;
+    const float* e;
+    float value(int64_t i) const { return x[i] + e[i]; }
+    void value8(int64_t i, float* v) const {
+        for (int j = 0; j < 8; ++j) v[j] = x[i + j] + e[i + j];
+    }
+};
+
+struct ServerSource {  // c = (s_0 q_0 + s_1 q_1 + ... ) / nrows + e, in rank order
+    const uint8_t* signs;
+    int64_t sign_stride;  // bytes between the rows of signs
+    const float* scales;
+    int64_t nrows;
+    const float* e;
+    float value(int64_t i) const {
+        float v[8];
+        value8(i & ~int64_t{7}, v);
+        return v[i & 7];
+    }
+    void value8(int64_t i, float* v) const {  // nrows >= 1
+        const int64_t byte = i >> 3;
+        for (int j = 0; j < 8; ++j) v[j] = signed_value(scales[0], signs[byte], j);
+        for (int64_t r = 1; r < nrows; ++r) {
+            const unsigned bits = signs[r * sign_stride + byte];
+            const float s = scales[r];
+            for (int j = 0; j < 8; ++j) v[j] = v[j] + signed_value(s, bits, j);
+        }
+        const float n = static_cast<float>(nrows);
+        for (int j = 0; j < 8; ++j) v[j] = v[j] / n + e[i + j];
+    }
+};
+
+// Lane sums of one block [start, end) into lanes[32].
+template <typename Src>
+void block_lanes_scalar(const Src& src, int64_t start, int64_t end, double* lanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] = 0.0;
+    if (end - start == kBlock) {
+        float v[8];
+        for (int64_t j = 0; j < kSteps; ++j) {
+            for (int q = 0; q < 4; ++q) {
+                src.value8(start + j * kLanes + 8 * q, v);
+                for (int t = 0; t < 8; ++t) {
+                    const double d = static_cast<double>(v[t]);
+                    lanes[8 * q + t] += d * d;
+                }
+            }
+        }
+        return;
+    }
+    for (int64_t i = start; i < end; ++i) {  // the last, partial block
+        const double d = static_cast<double>(src.value(i));
+        lanes[(i - start) % kLanes] += d * d;
+    }
+}
+
+// Pack bytes [b0, b0 + count) into out[0..count), with the error update.
+template <typename Src>
+void pack_scalar(const Src& src, float* e, float s, int64_t b0, int64_t count, uint8_t* out) {
+    float v[8];
+    for (int64_t k = 0; k < count; ++k) {
+        const int64_t i0 = (b0 + k) * 8;
+        src.value8(i0, v);
+        unsigned byte = 0;
+        for (int j = 0; j < 8; ++j) {
+            const bool bit = positive(v[j]);
+            byte = (byte << 1) | static_cast<unsigned>(bit);
+            e[i0 + j] = v[j] - (bit ? s : -s);
+        }
+        out[k] = static_cast<uint8_t>(byte);
+    }
+}
+
+void decode_scalar(const uint8_t* in, int64_t count, float s, float* out) {
+    for (int64_t k = 0; k < count; ++k)
+        for (int j = 0; j < 8; ++j) out[k * 8 + j] = signed_value(s, in[k], j);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 paths (compiled for AVX2+FMA, used only when the CPU has them). Sources give load32(i, v):
+// elements i..i+31 as 4 vectors, and load8(i) for a single group of 8.
+
+#if ONEBIT_X86
+#define ONEBIT_AVX2 __attribute__((target("avx2,fma")))
+
+bool cpu_has_avx2() {
+    static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return has;
+}
+
+// Lane j of kNegMask.mask[byte] is 0x80000000 where bit (7 - j) of `byte` is clear (q = -1),
+// else 0: q * s is s ^ mask[byte].
+struct NegMaskTable {
+    alignas(32) uint32_t mask[256][8];
+    NegMaskTable() {
+        for (int b = 0; b < 256; ++b)
+            for (int j = 0; j < 8; ++j) mask[b][j] = ((b >> (7 - j)) & 1) ? 0u : 0x80000000u;
+    }
+};
+const NegMaskTable kNegMask;
+
+ONEBIT_AVX2 inline __m256 signed_scale(__m256 s, unsigned byte) {
+    return _mm256_xor_ps(s, _mm256_load_ps(reinterpret_cast<const float*>(kNegMask.mask[byte])));
+}
+
+// The byte (MSB = element 0) of the signs of 8 floats: bit set where !(v < 0).
+ONEBIT_AVX2 inline unsigned sign_byte(__m256 v) {
+    const __m256 neg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256i reverse = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    const int m = _mm256_movemask_ps(_mm256_permutevar8x32_ps(neg, reverse));
+    return static_cast<unsigned>(~m) & 0xffu;
+}
+
+struct PlainAvx2 {
+    const float* b;
+    ONEBIT_AVX2 __m256 load8(int64_t i) const { return _mm256_loadu_ps(b + i); }
+    ONEBIT_AVX2 void load32(int64_t i, __m256* v) const {
+        for (int q = 0; q < 4; ++q) v[q] = load8(i + 8 * q);
+    }
+};
+
+struct WorkerAvx2 {
+    const float* x;
+    const float* e;
+    ONEBIT_AVX2 __m256 load8(int64_t i) const {
+        return _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+    }
+    ONEBIT_AVX2 void load32(int64_t i, __m256* v) const {
+        for (int q = 0; q < 4; ++q) v[q] = load8(i + 8 * q);
+    }
+};
+
+struct ServerAvx2 {
+    ServerSource src;
+    // For a power-of-two rank count, acc * (1/n) is exactly acc / n (the reciprocal is exact, and
+    // both round the same real number once); a multiply is much cheaper than a divide.
+    bool pow2 = src.nrows > 0 && (src.nrows & (src.nrows - 1)) == 0;
+
+    ONEBIT_AVX2 __m256 finish(__m256 acc, int64_t i) const {
+        const float n = static_cast<float>(src.nrows);
+        const __m256 mean = pow2 ? _mm256_mul_ps(acc, _mm256_set1_ps(1.0f / n)) : _mm256_div_ps(acc, _mm256_set1_ps(n));
+        return _mm256_add_ps(mean, _mm256_loadu_ps(src.e + i));
+    }
+    ONEBIT_AVX2 __m256 load8(int64_t i) const {
+        const int64_t byte = i >> 3;
+        __m256 acc = signed_scale(_mm256_set1_ps(src.scales[0]), src.signs[byte]);
+        for (int64_t r = 1; r < src.nrows; ++r)
+            acc = _mm256_add_ps(acc, signed_scale(_mm256_set1_ps(src.scales[r]), src.signs[r * src.sign_stride + byte]));
+        return finish(acc, i);
+    }
+    // Four bytes of every row at once: one 32-bit load and one broadcast per row for 32 elements.
+    ONEBIT_AVX2 void load32(int64_t i, __m256* v) const {
+        const int64_t byte = i >> 3;
+        uint32_t w;
+        std::memcpy(&w, src.signs + byte, 4);
+        __m256 s = _mm256_set1_ps(src.scales[0]);
+        for (int q = 0; q < 4; ++q) v[q] = signed_scale(s, (w >> (8 * q)) & 0xffu);
+        for (int64_t r = 1; r < src.nrows; ++r) {
+            std::memcpy(&w, src.signs + r * src.sign_stride + byte, 4);
+            s = _mm256_set1_ps(src.scales[r]);
+            for (int q = 0; q < 4; ++q) v[q] = _mm256_add_ps(v[q], signed_scale(s, (w >> (8 * q)) & 0xffu));
+        }
+        for (int q = 0; q < 4; ++q) v[q] = finish(v[q], i + 8 * q);
+    }
+};
+
+// Lane sums of one full block: lanes 0..31 in 8 registers of 4 doubles.
+template <typename Src>
+ONEBIT_AVX2 void block_lanes_avx2(const Src& src, int64_t start, double* lanes) {
+    __m256d acc[8];
+    for (int q = 0; q < 8; ++q) acc[q] = _mm256_setzero_pd();
+    __m256 v[4];
+    for (int64_t j = 0; j < kSteps; ++j) {
+        src.load32(start + j * kLanes, v);
+        for (int q = 0; q < 4; ++q) {
+            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v[q]));
+            const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v[q], 1));
+            acc[2 * q] = _mm256_fmadd_pd(lo, lo, acc[2 * q]);  // exact square: FMA == mul + add
+            acc[2 * q + 1] = _mm256_fmadd_pd(hi, hi, acc[2 * q + 1]);
+        }
+    }
+    for (int q = 0; q < 8; ++q) _mm256_storeu_pd(lanes + 4 * q, acc[q]);
+}
+
+ONEBIT_AVX2 inline unsigned pack8_avx2(__m256 v, __m256 ps, float* e) {
+    const unsigned byte = sign_byte(v);
+    _mm256_storeu_ps(e, _mm256_sub_ps(v, signed_scale(ps, byte)));  // e = v - q*s
+    return byte;
+}
+
+template <typename Src>
+ONEBIT_AVX2 void pack_avx2(const Src& src, float* e, float s, int64_t b0, int64_t count, uint8_t* out) {
+    const __m256 ps = _mm256_set1_ps(s);
+    int64_t k = 0;
+    __m256 v[4];
+    for (; k + 4 <= count; k += 4) {
+        const int64_t i = (b0 + k) * 8;
+        src.load32(i, v);
+        for (int q = 0; q < 4; ++q) out[k + q] = static_cast<uint8_t>(pack8_avx2(v[q], ps, e + i + 8 * q));
+    }
+    for (; k < count; ++k) {
+        const int64_t i = (b0 + k) * 8;
+        out[k] = static_cast<uint8_t>(pack8_avx2(src.load8(i), ps, e + i));
+    }
+}
+
+// Streaming stores skip reading the output's cache lines first; used for outputs far larger than
+// the caches, which would be evicted before they are read again anyway.
+ONEBIT_AVX2 void decode_avx2(const uint8_t* in, int64_t count, float s, float* out, bool stream) {
+    const __m256 ps = _mm256_set1_ps(s);
+    int64_t k = 0;
+    if (stream) {
+        for (; k < count && (reinterpret_cast<uintptr_t>(out + 8 * k) & 31) != 0; ++k)
+            _mm256_storeu_ps(out + 8 * k, signed_scale(ps, in[k]));
+        for (; k < count; ++k) _mm256_stream_ps(out + 8 * k, signed_scale(ps, in[k]));
+        _mm_sfence();
+        return;
+    }
+    for (; k < count; ++k) _mm256_storeu_ps(out + 8 * k, signed_scale(ps, in[k]));
+}
+#else
+bool cpu_has_avx2() { return false; }
+#endif
+
+bool use_avx2() { return cpu_has_avx2() && !g_force_scalar; }
+
+// ---------------------------------------------------------------------------------------------
+// Drivers shared by worker and server: pass 1 (blocked sum of squares), pass 2 (pack + error).
+
+template <typename Src, typename SrcVec>
+double blocked_sumsq(const Src& src, const SrcVec& vec, int64_t n, int threads) {
+    const int64_t nblocks = (n + kBlock - 1) / kBlock;
+    if (nblocks == 0) return 0.0;
+    const bool avx2 = use_avx2();
+    std::vector<double> partial(nblocks);
+    parallel_ranges(nblocks, threads, [&](int64_t lo, int64_t hi) {
+        alignas(32) double lanes[kLanes];
+        for (int64_t k = lo; k < hi; ++k) {
+            const int64_t start = k * kBlock;
+            const int64_t end = start + kBlock < n ? start + kBlock : n;
+#if ONEBIT_X86
+            if (avx2 && end - start == kBlock) {
+                block_lanes_avx2(vec, start, lanes);
+            } else {
+                block_lanes_scalar(src, start, end, lanes);
+            }
+#else
+            (void)avx2;
+            (void)vec;
+            block_lanes_scalar(src, start, end, lanes);
+#endif
+            partial[k] = pairwise_tree(lanes, kLanes);
+        }
+    });
+    // The tree over all lane sums equals the tree over the block partials: each block's 32 lanes
+    // are an aligned power-of-two group, i.e. a subtree.
+    return pairwise_tree(partial.data(), nblocks);
+}
+
+template <typename Src, typename SrcVec>
+void pack_all(const Src& src, const SrcVec& vec, float* e, float s, int64_t nbytes, const ByteRows& rows,
+              int threads) {
+    const bool avx2 = use_avx2();
+    parallel_ranges(nbytes, threads, [&](int64_t lo, int64_t hi) {
+        for_each_run(rows, lo, hi, [&](int64_t b0, int64_t count, uint8_t* out) {
+#if ONEBIT_X86
+            if (avx2) {
+                pack_avx2(vec, e, s, b0, count, out);
+                return;
+            }
+#else
+            (void)avx2;
+            (void)vec;
+#endif
+            pack_scalar(src, e, s, b0, count, out);
+        });
+    });
+}
+
+#if ONEBIT_X86
+using PlainVec = PlainAvx2;
+using WorkerVec = WorkerAvx2;
+using ServerVec = ServerAvx2;
+#else
+using PlainVec = PlainSource;
+using WorkerVec = WorkerSource;
+using ServerVec = ServerSource;
+#endif
+
+}  // namespace
+
+#define ONEBIT_EXPORT __attribute__((visibility("default")))
+
+extern "C" {
+
+ONEBIT_EXPORT int onebit_cpu_abi(void) { return 2; }
+
+// 1 when the AVX2 paths are in use, 0 for the portable paths.
+ONEBIT_EXPORT int onebit_cpu_vector_path(void) { return use_avx2() ? 1 : 0; }
+
+// Testing hook: force the portable paths (1) or allow AVX2 again (0).
+ONEBIT_EXPORT void onebit_cpu_force_scalar(int on) { g_force_scalar = on != 0; }
+
+// The blocked sum of squares of a float32 buffer (for tests of the definition).
+ONEBIT_EXPORT double onebit_cpu_sumsq(const float* b, int64_t n, int threads) {
+    return blocked_sumsq(PlainSource{b}, PlainVec{b}, n, clamp_threads(threads, n));
+}
+
+// Worker: b = x + e; scale = blocked RMS of b; packed <- signs of b; e <- b - scale * sign(b).
+// n is a multiple of 8; packed byte i lives at packed + (i / row_len) * row_stride + i % row_len.
+ONEBIT_EXPORT void onebit_cpu_worker(const float* x, float* e, int64_t n, uint8_t* packed, int64_t row_len,
+                                     int64_t row_stride, float* scale_out, int threads) {
+    const int t = clamp_threads(threads, n);
+    const WorkerSource src{x, e};
+#if ONEBIT_X86
+    const WorkerVec vec{x, e};
+#else
+    const WorkerVec vec = src;
+#endif
+    const float s = scale_from_sumsq(blocked_sumsq(src, vec, n, t), n);
+    pack_all(src, vec, e, s, n / 8, ByteRows{packed, row_len, row_stride}, t);
+    *scale_out = s;
+}
+
+// Server: c = (sum_r scales[r] * q_r) / nrows + e; scale = blocked RMS of c; packed <- signs of c;
+// e <- c - scale * sign(c). `signs` holds nrows rows of n/8 bytes, `sign_stride` bytes apart.
+ONEBIT_EXPORT void onebit_cpu_server(const uint8_t* signs, int64_t nrows, int64_t sign_stride, const float* scales,
+                                     float* e, int64_t n, uint8_t* packed, int64_t row_len, int64_t row_stride,
+                                     float* scale_out, int threads) {
+    const int t = clamp_threads(threads, n);
+    const ServerSource src{signs, sign_stride, scales, nrows, e};
+#if ONEBIT_X86
+    const ServerVec vec{src};
+#else
+    const ServerVec vec = src;
+#endif
+    const float s = scale_from_sumsq(blocked_sumsq(src, vec, n, t), n);
+    pack_all(src, vec, e, s, n / 8, ByteRows{packed, row_len, row_stride}, t);
+    *scale_out = s;
+}
+
+// Decode: out[(r * row_bytes + k) * 8 + j] = +-scales[r] from bit (7 - j) of byte k of row r.
+ONEBIT_EXPORT void onebit_cpu_decode(const uint8_t* signs, int64_t nrows, int64_t sign_stride, int64_t row_bytes,
+                                     const float* scales, float* out, int threads) {
+    const int64_t total = nrows * row_bytes;
+    const int t = clamp_threads(threads, total * 8);
+    const ByteRows rows{const_cast<uint8_t*>(signs), row_bytes, sign_stride};
+    const bool avx2 = use_avx2();
+    const bool stream = total * 8 * static_cast<int64_t>(sizeof(float)) >= kStreamBytes;
+    parallel_ranges(total, t, [&](int64_t lo, int64_t hi) {
+        for_each_run(rows, lo, hi, [&](int64_t b0, int64_t count, uint8_t* in) {
+            const float s = scales[b0 / row_bytes];
+            float* o = out + b0 * 8;
+#if ONEBIT_X86
+            if (avx2) {
+                decode_avx2(in, count, s, o, stream);
+                return;
+            }
+#endif
+            (void)avx2;
+            (void)stream;
+            decode_scalar(in, count, s, o);
+        });
+    });
+}
+
+}  // extern "C"
