@@ -1,0 +1,158 @@
+"""Checkpoint files: atomic saves, damaged files, other models, exact resume across world sizes."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import onebit
+from distributed import run_ranks
+from onebit import OnebitAdam, load_checkpoint, save_checkpoint
+
+
+def _model(width: int = 6) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(width, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+
+def _train(model, opt, rank: int, steps: range) -> None:
+    for step in steps:
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, model[0].in_features, generator=gen), torch.randn(8, 2, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _local(width: int = 6):
+    model = _model(width)
+    return model, OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="local")
+
+
+def _fingerprint(model, opt):
+    return [p.detach().clone() for p in model.parameters()] + [
+        t.clone() for p in model.parameters() for t in opt.state[p].values()] + [torch.tensor(opt.step_count)]
+
+
+def _unchanged(before, after) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_round_trip_restores_model_optimizer_and_extra(tmp_path):
+    model, opt = _local()
+    _train(model, opt, 0, range(4))
+    save_checkpoint(tmp_path / "ckpt.pt", opt, model=model, extra={"epoch": 3})
+    model2, opt2 = _local()
+    assert load_checkpoint(tmp_path / "ckpt.pt", opt2, model=model2) == {"epoch": 3}
+    assert _unchanged(_fingerprint(model, opt), _fingerprint(model2, opt2))
+    assert not list(tmp_path.glob(".*tmp*")), "no temporary file is left behind"
+
+
+def test_crash_before_rename_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    model, opt = _local()
+    _train(model, opt, 0, range(2))
+    save_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
+    good = _fingerprint(model, opt)
+    _train(model, opt, 0, range(2, 5))
+
+    def crash(src, dst):
+        raise OSError("simulated crash between write and rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        save_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
+    monkeypatch.undo()
+    model2, opt2 = _local()
+    load_checkpoint(tmp_path / "ckpt.pt", opt2, model=model2)
+    assert _unchanged(good, _fingerprint(model2, opt2))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_damaged_file_is_rejected_and_nothing_changes(tmp_path, damage):
+    model, opt = _local()
+    _train(model, opt, 0, range(3))
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, opt, model=model)
+    data = path.read_bytes()
+    path.write_bytes({"truncate": data[: len(data) // 2], "garbage": b"\x00junk" * 100, "empty": b""}[damage])
+    model2, opt2 = _local()
+    _train(model2, opt2, 1, range(1))
+    before = _fingerprint(model2, opt2)
+    with pytest.raises(ValueError, match="is truncated or corrupt"):
+        load_checkpoint(path, opt2, model=model2)
+    assert _unchanged(before, _fingerprint(model2, opt2))
+
+
+def test_checkpoint_of_another_model_is_rejected_and_nothing_changes(tmp_path):
+    model, opt = _local()
+    _train(model, opt, 0, range(3))
+    save_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
+    other, other_opt = _local(width=7)
+    before = _fingerprint(other, other_opt)
+    with pytest.raises(ValueError, match=r"has shape \(5, 6\), the parameter has \(5, 7\)"):
+        load_checkpoint(tmp_path / "ckpt.pt", other_opt, model=other)
+    assert _unchanged(before, _fingerprint(other, other_opt))
+
+
+def test_newer_format_is_rejected(tmp_path):
+    model, opt = _local()
+    save_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
+    payload = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    payload["optimizer"]["onebit"]["format_version"] = 2
+    torch.save(payload, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="format_version 2 is newer than this onebit supports"):
+        load_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
+
+
+def test_a_plain_torch_file_is_not_taken_for_a_checkpoint(tmp_path):
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    _, opt = _local()
+    with pytest.raises(ValueError, match="is not a onebit checkpoint file"):
+        load_checkpoint(tmp_path / "other.pt", opt)
+
+
+def _resume_rank(rank, world_size, path, mode):
+    model = _model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="gloo")
+    if mode == "straight":
+        _train(model, opt, rank, range(1, 9))
+    elif mode == "save":
+        _train(model, opt, rank, range(1, 5))
+        save_checkpoint(path, opt, model=model, exact_resume=True)
+        return None
+    else:
+        load_checkpoint(path, opt, model=model, exact_resume=True)
+        _train(model, opt, rank, range(5, 9))
+    return {"params": [p.detach().clone() for p in model.parameters()], "errors": opt.comm_stats()["worker_error_norm"]}
+
+
+def test_exact_resume_on_the_same_world_size_is_bit_identical(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    straight = run_ranks(_resume_rank, 2, tmp_path / "a", path, "straight")
+    run_ranks(_resume_rank, 2, tmp_path / "b", path, "save")
+    resumed = run_ranks(_resume_rank, 2, tmp_path / "c", path, "load")
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(straight[r]["params"], resumed[r]["params"]))
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(3, 2), (2, 3)])
+def test_resume_on_another_world_size_falls_back_to_the_reset(tmp_path, saved_on, loaded_on):
+    path = str(tmp_path / "ckpt.pt")
+    run_ranks(_resume_rank, saved_on, tmp_path / "save", path, "save")
+    resumed = run_ranks(_resume_rank, loaded_on, tmp_path / "load", path, "load")
+    for r in range(loaded_on):
+        assert all(torch.equal(a, b) for a, b in zip(resumed[r]["params"], resumed[0]["params"]))
+        assert all(torch.isfinite(p).all() for p in resumed[r]["params"])
+
+
+def test_fallback_is_logged_once(tmp_path, caplog):
+    model, opt = _local()
+    _train(model, opt, 0, range(3))
+    save_checkpoint(tmp_path / "ckpt.pt", opt, model=model)  # no rank files
+    with caplog.at_level(logging.INFO, logger="onebit"):
+        load_checkpoint(tmp_path / "ckpt.pt", opt, model=model, exact_resume=True)
+    assert sum("exact resume not possible" in r.message for r in caplog.records) == 1
+    assert onebit.__version__
