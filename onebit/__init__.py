@@ -6,6 +6,7 @@ compressed all-reduce (Tang et al., 2021, arXiv 2102.02888).
 """
 
 from .backends import BACKEND_NAMES, CommBackend, LocalBackend
+from .checkpoint import load_checkpoint, save_checkpoint
 from .collectives import CompressionState, compressed_allreduce_
 from .config import from_config
 from .optimizer import OnebitAdam
@@ -20,5 +21,7 @@ __all__ = [
     "OnebitAdam",
     "compressed_allreduce_",
     "from_config",
+    "load_checkpoint",
+    "save_checkpoint",
     "__version__",
 ]

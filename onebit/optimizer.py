@@ -389,9 +389,7 @@ class OnebitAdam(torch.optim.Optimizer):
         if not self._buckets:
             self._layout_checked = True
             return
-        description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
-                             [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in self._buckets])
-        digest = hashlib.sha256(description.encode()).digest()[:8]
+        digest = self._layout_digest()
         mine = torch.tensor(list(digest), dtype=torch.uint8, device=self._buckets[0].device)
         everyone = torch.empty(self._backend.world_size, 8, dtype=torch.uint8, device=mine.device)
         self._backend.all_gather(everyone, mine)
@@ -403,6 +401,17 @@ class OnebitAdam(torch.optim.Optimizer):
                 "same model and the same param groups in the same order"
             )
         self._layout_checked = True
+
+    def _layout_digest(self) -> bytes:
+        """8 bytes that differ when the parameter layout (groups, shapes, dtypes, buckets) does."""
+        description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
+                             [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in self._buckets])
+        return hashlib.sha256(description.encode()).digest()[:8]
+
+    def _compression_errors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(worker error, server error) of every compressed bucket, in bucket order."""
+        return [(b.compression.worker_error, b.compression.server_error) for b in self._buckets
+                if b.compression is not None]
 
     def _gather_grads(self, bucket: _Bucket, inv_scale: torch.Tensor | None) -> None:
         grad = bucket.grad[:bucket.numel]
