@@ -40,7 +40,11 @@ class _Bucket:
         self.exp_avg_sq = torch.zeros(self.padded, **kwargs)
         self.grad = torch.zeros(self.padded, **kwargs)
         self.update = torch.zeros(self.numel, **kwargs)
-        self.mask: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None  # the user's momentum mask (1 keep, 0 zero)
+        # In compression: the user's mask and 0 where the frozen variance is 0 (None: all ones).
+        # Derived from exp_avg_sq when compression starts or state is loaded; None until then.
+        self.frozen_mask: torch.Tensor | None = None
+        self.frozen_mask_ready = False
         self.compression = CompressionState(self.padded, world_size, self.device) if compress else None
         self.slices: list[slice] = []
         offset = 0
@@ -448,12 +452,35 @@ class OnebitAdam(torch.optim.Optimizer):
             bad_ranks = int(averaged_bad or local_bad)
         if bad_ranks:
             return self._nonfinite(t, bad_ranks, bool(compressed))
-        if compressing and self._step == self.freeze_step and self._backend.rank == 0:
-            logger.info("onebit: step %d: variance frozen, switching to 1-bit compressed momentum", t)
+        if compressed and not all(b.frozen_mask_ready for b in compressed):
+            self._freeze_masks(compressed, t)
         for bucket in self._buckets:
             self._bucket_update(bucket, self.param_groups[bucket.group_index], t, bucket in compressed)
         self._step = t
         return True
+
+    def _freeze_masks(self, buckets: list[_Bucket], t: int) -> None:
+        """At the switch to compression (or the first compression step after a load): where the
+        frozen variance is exactly 0, the update ``m / (sqrt(v) + eps)`` would be ``+-scale / eps``
+        (1 bit cannot encode 0), so those coordinates keep a zero momentum and do not move."""
+        zero = 0
+        for bucket in buckets:
+            n = bucket.numel
+            dead = bucket.exp_avg_sq[:n] == 0
+            count = int(dead.sum())
+            if count:
+                frozen = bucket.mask.clone() if bucket.mask is not None else torch.ones_like(bucket.exp_avg)
+                frozen[:n].masked_fill_(dead, 0.0)
+                bucket.frozen_mask = frozen
+                zero += count
+            else:
+                bucket.frozen_mask = bucket.mask
+            bucket.frozen_mask_ready = True
+        if self._backend.rank == 0:
+            logger.info(
+                "onebit: step %d: variance frozen, switching to 1-bit compressed momentum%s", t,
+                f"; {zero} coordinates with zero variance keep a zero momentum" if zero else "",
+            )
 
     def _nonfinite(self, t: int, bad_ranks: int, counted: bool) -> bool:
         where = f"on {bad_ranks} of {self._backend.world_size} ranks" if counted else "in the averaged gradients"
@@ -479,8 +506,9 @@ class OnebitAdam(torch.optim.Optimizer):
         else:
             F.adam_moments_(m[:n], v[:n], grad, beta1, beta2)
             variance_step = t
-        if bucket.mask is not None:
-            m.mul_(bucket.mask)
+        mask = bucket.frozen_mask if compressing else bucket.mask
+        if mask is not None:
+            m.mul_(mask)
         bc1, bc2 = F.bias_corrections(t, variance_step, beta1, beta2, group["bias_correction"])
         F.adam_direction_(bucket.update, m[:n], v[:n], group["eps"], bc1, bc2)
         updates = bucket.views(bucket.update)
@@ -509,6 +537,7 @@ class OnebitAdam(torch.optim.Optimizer):
         for bucket in self._buckets:
             if bucket.mask is not None:
                 bucket.exp_avg.mul_(bucket.mask)
+            bucket.frozen_mask, bucket.frozen_mask_ready = None, False
         self.reset_compression_errors()
         if self._backend.rank == 0:
             logger.info(

@@ -470,3 +470,24 @@ def test_single_process_default_is_local():
     opt = OnebitAdam(_p(), freeze_step=10)
     assert opt.backend.name == "local" and opt.backend.world_size == 1
     assert math.isclose(opt.comm_stats()["worker_error_norm"], 0.0)
+
+
+def test_zero_variance_coordinates_do_not_explode_after_the_freeze(caplog):
+    """A coordinate with no gradient during warmup (a dead ReLU unit, an unused embedding row) has
+    a frozen variance of 0; a 1-bit momentum cannot be 0, so m / (sqrt(v) + eps) would be
+    +-scale / 1e-8. Such coordinates keep a zero momentum instead, and say so in the log."""
+    p = torch.nn.Parameter(torch.ones(16))
+    opt = OnebitAdam([p], lr=1e-2, freeze_step=3, comm_backend_name="local")
+    gen = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="onebit"):
+        for step in range(8):
+            g = torch.randn(16, generator=gen)
+            if step < 3:
+                g[:4] = 0.0
+            p.grad = g
+            opt.step()
+    assert torch.equal(p.detach()[:4], torch.ones(4))
+    assert torch.all(opt.state[p]["exp_avg"][:4] == 0)
+    assert (p.detach()[4:] - 1).abs().max() < 1.0  # the others moved by O(lr) per step
+    assert not torch.equal(p.detach()[4:], torch.ones(12))
+    assert any("4 coordinates with zero variance keep a zero momentum" in r.message for r in caplog.records)
