@@ -147,6 +147,7 @@ def _machine(cpu_loaded) -> dict:
         "numpy": np.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_kernels_path": "avx2" if cpu_loaded.vector_path else "scalar",
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -190,7 +191,8 @@ def main() -> None:
     lines = [
         f"Codec throughput, GB/s of fp32 data (best of {args.repeats}); machine: {machine['cpu']}, "
         f"{machine['cores']} cores, torch {machine['torch']} with {machine['torch_threads']} threads, "
-        f"CPU kernels: {machine['cpu_kernels_path']}, compiled in {compile_s:.1f} s.",
+        f"CPU kernels: {machine['cpu_kernels_path']}, compiled in {compile_s:.1f} s; load average "
+        f"{machine['load_average_1min']} at the end (other processes share these cores).",
         "",
         head,
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
