@@ -436,6 +436,54 @@ def test_native_kernels_refuse_tensors_of_another_device(implementations):
         impl.worker_compress_(torch.zeros(12), torch.zeros(12), torch.zeros(1, dtype=torch.uint8))
 
 
+def test_cupy_launcher_uses_torchs_current_stream_and_typed_arguments(monkeypatch):
+    """The CuPy glue, with CuPy and the GPU replaced by recorders: grid, block, argument types, the
+    stream context (torch's current stream) and no synchronization."""
+    import types
+
+    import numpy as np
+
+    events = []
+
+    class Context:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            events.append(("enter", self.name))
+
+        def __exit__(self, *exc):
+            events.append(("exit", self.name))
+
+    class Function:
+        def __call__(self, grid, block, args, **kwargs):
+            events.append(("launch", grid, block, args))
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda index: Context(f"device{index}"),
+        Stream=types.SimpleNamespace(),  # no from_external: the ExternalStream path
+        ExternalStream=lambda ptr: Context(f"stream{ptr}"),
+        runtime=types.SimpleNamespace(deviceSynchronize=lambda: events.append("synchronize")),
+    ))
+    module = types.SimpleNamespace(get_function=lambda name: Function())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=77))
+    launch = cuda_kernels._CupyLauncher(fake_cupy, module)
+
+    class FakeDevice:
+        index = 0
+
+    tensor = torch.zeros(4)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: FakeDevice()), raising=False)
+    launch("onebit_decode", 1000, tensor, 5, None)
+    monkeypatch.undo()
+    assert events[:2] == [("enter", "device0"), ("enter", "stream77")]
+    kind, grid, block, args = events[2]
+    assert (kind, grid, block) == ("launch", (4,), (256,))
+    assert [type(a) for a in args] == [np.uint64, np.int64, np.uint64]
+    assert int(args[0]) == tensor.data_ptr() and int(args[1]) == 5 and int(args[2]) == 0
+    assert events[3:] == [("exit", "stream77"), ("exit", "device0")] and "synchronize" not in events
+
+
 def test_importing_onebit_compiles_nothing_and_imports_no_cupy():
     code = (
         "import sys, onebit, onebit.kernels.cpu as c, onebit.kernels.cuda as g; "

@@ -142,6 +142,14 @@ class CudaCodec:
                          server_compress_=self.server_compress_, decode_=self.decode_)
 
 
+def _cupy_stream(cupy: Any, torch_stream: torch.cuda.Stream) -> Any:
+    """torch's stream as a CuPy stream (no copy, no synchronization)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14 (ExternalStream deprecated)
+    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+        return from_external(torch_stream)
+    return cupy.cuda.ExternalStream(torch_stream.cuda_stream)
+
+
 class _CupyLauncher:
     """Launches the RawModule's kernels on torch's current stream of the arguments' device."""
 
@@ -170,7 +178,7 @@ class _CupyLauncher:
             function = self._functions.get((name, device.index))
             if function is None:
                 function = self._functions[(name, device.index)] = self._module.get_function(name)
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+            stream = _cupy_stream(cupy, torch.cuda.current_stream(device))
             blocks = -(-nthreads // THREADS_PER_BLOCK)
             with stream:
                 function((blocks,), (THREADS_PER_BLOCK,), tuple(self._argument(a) for a in args))
