@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .compression import padded_length
+from .kernels.blocked import blocked_rms_scale
 
 __all__ = ["SimulationResult", "simulate_compressed_allreduce"]
 
@@ -28,7 +29,8 @@ class SimulationResult:
 
 
 def _rms(v: torch.Tensor) -> torch.Tensor:
-    return torch.sqrt(torch.sum(v.double() * v.double()) / v.numel()).float()
+    # The scale's definition includes its float64 summation order (onebit.kernels.blocked).
+    return blocked_rms_scale(v)
 
 
 def _sign(v: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,13 @@ Conventions (fixed; changing any of them changes the wire format):
   (NaN never reaches the codec in normal use: the optimizer refuses or skips non-finite steps).
 * **Bits.** A set bit means ``+1``, a clear bit ``-1``. Eight consecutive elements form one byte,
   the first element in the most significant bit (numpy ``packbits`` order, as DeepSpeed used).
-* **Scale.** ``s = sqrt(sum(b_i ** 2) / len(b))`` with the squares summed in float64 and the result
-  rounded once to float32: the RMS of the buffer, so that ``s * q`` has the norm of ``b``.
+* **Scale.** ``s = sqrt(sum(b_i ** 2) / len(b))`` with the squares summed in float64 in a fixed
+  blocked order (:mod:`onebit.kernels.blocked`) and the result rounded once to float32: the RMS of
+  the buffer, so that ``s * q`` has the norm of ``b``.
 * **Error update.** ``e <- b - s * q``, in float32 (``s * q`` is exactly ``+s`` or ``-s``).
 * **Server sum.** ``c = (s_0 q_0 + s_1 q_1 + ... + s_{n-1} q_{n-1}) / n + e``, accumulated in rank
-  order, divided by ``n`` in float32, then the server error added.
+  order, divided by ``n`` in float32 (a true division, not a multiplication by ``1/n``), then the
+  server error added.
 
 All functions take flat float32 tensors on any device; ``packed`` tensors are uint8 with one eighth
 of the elements, written in row-major order (they may be strided views, e.g. rows of a send buffer).
@@ -19,6 +21,8 @@ of the elements, written in row-major order (they may be strided views, e.g. row
 from __future__ import annotations
 
 import torch
+
+from .blocked import blocked_rms_scale
 
 __all__ = ["pack_signs", "unpack_signs", "rms_scale", "worker_compress_", "server_compress_", "decode_"]
 
@@ -46,9 +50,10 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
 
 
 def rms_scale(b: torch.Tensor) -> torch.Tensor:
-    """``sqrt(sum(b**2) / len(b))`` summed in float64, rounded once to float32 (0-d tensor)."""
-    sumsq = b.to(torch.float64).square().sum()
-    return torch.sqrt(sumsq / b.numel()).to(torch.float32)
+    """``sqrt(sum(b**2) / len(b))`` with the squares summed in float64 in the fixed blocked order
+    of :mod:`onebit.kernels.blocked`, rounded once to float32 (0-d tensor). A fixed order makes
+    the scale one number on every device, thread count and vector width."""
+    return blocked_rms_scale(b)
 
 
 def _sign_values(b: torch.Tensor) -> torch.Tensor:
@@ -81,7 +86,8 @@ def server_compress_(
     acc = unpack_signs(signs[0]) * scales[0]
     for i in range(1, n):
         acc += unpack_signs(signs[i]) * scales[i]
-    c = acc.div_(n).add_(error)
+    # Divide by a tensor: with a Python scalar, torch's CUDA kernel multiplies by 1/n instead.
+    c = acc.div_(torch.tensor(float(n), device=acc.device)).add_(error)
     scale = rms_scale(c)
     packed.copy_(pack_signs(c).reshape(packed.shape))
     torch.sub(c, _sign_values(c) * scale, out=error)
