@@ -45,6 +45,10 @@ class _Bucket:
         # Derived from exp_avg_sq when compression starts or state is loaded; None until then.
         self.frozen_mask: torch.Tensor | None = None
         self.frozen_mask_ready = False
+        # In compression: sqrt(v / bc2) + eps of the frozen variance, for (eps, bc2) = the key.
+        self.denominator: torch.Tensor | None = None
+        self.denominator_key: tuple[float, float] | None = None
+        self.same_dtype = all(p.dtype == torch.float32 for p in params)
         self.compression = CompressionState(self.padded, world_size, self.device) if compress else None
         self.slices: list[slice] = []
         offset = 0
@@ -440,7 +444,7 @@ class OnebitAdam(torch.optim.Optimizer):
         local_bad = found_inf is not None and bool(found_inf.item() > 0)
         compressed = [b for b in self._buckets if compressing and b.compression is not None]
         if compressed:
-            local_bad = local_bad or not all(bool(torch.isfinite(b.grad[:b.numel]).all()) for b in self._buckets)
+            local_bad = local_bad or not self._all_finite(self._buckets)
             flag = torch.tensor([float(local_bad)], device=compressed[0].device)
             self._backend.all_reduce_mean_(flag)
             bad_ranks = round(flag.item() * self._backend.world_size)
@@ -448,7 +452,7 @@ class OnebitAdam(torch.optim.Optimizer):
             if bucket not in compressed and not (self._warmup_grads_averaged and not compressing):
                 self._backend.all_reduce_mean_(bucket.grad[:bucket.numel])
         if not compressed:
-            averaged_bad = not all(bool(torch.isfinite(b.grad[:b.numel]).all()) for b in self._buckets)
+            averaged_bad = not self._all_finite(self._buckets)
             bad_ranks = int(averaged_bad or local_bad)
         if bad_ranks:
             return self._nonfinite(t, bad_ranks, bool(compressed))
@@ -457,6 +461,17 @@ class OnebitAdam(torch.optim.Optimizer):
         for bucket in self._buckets:
             self._bucket_update(bucket, self.param_groups[bucket.group_index], t, bucket in compressed)
         self._step = t
+        return True
+
+    @staticmethod
+    def _all_finite(buckets: list[_Bucket]) -> bool:
+        """Whether every gathered gradient is finite: one read-only pass per bucket. The sum is
+        NaN or inf when an element is; when it overflowed from finite values only, the exact
+        element-wise check decides."""
+        for b in buckets:
+            grad = b.grad[:b.numel]
+            if not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):
+                return False
         return True
 
     def _freeze_masks(self, buckets: list[_Bucket], t: int) -> None:
@@ -510,14 +525,35 @@ class OnebitAdam(torch.optim.Optimizer):
         if mask is not None:
             m.mul_(mask)
         bc1, bc2 = F.bias_corrections(t, variance_step, beta1, beta2, group["bias_correction"])
-        F.adam_direction_(bucket.update, m[:n], v[:n], group["eps"], bc1, bc2)
+        if compressing:
+            # The variance is frozen, so is sqrt(v / bc2) + eps: computed once, then one division.
+            torch.div(m[:n], self._frozen_denominator(bucket, group["eps"], bc2), out=bucket.update)
+            if bc1 != 1.0:
+                bucket.update.div_(bc1)
+        else:
+            F.adam_direction_(bucket.update, m[:n], v[:n], group["eps"], bc1, bc2)
         updates = bucket.views(bucket.update)
         params = bucket.params
-        if group["weight_decay"] != 0:
-            for u, p in zip(updates, params):
-                u.add_(p, alpha=group["weight_decay"])
+        if bucket.same_dtype:
+            if group["weight_decay"] != 0:
+                torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+            torch._foreach_add_(params, updates, alpha=-group["lr"])
+            return
         for u, p in zip(updates, params):
+            if group["weight_decay"] != 0:
+                u.add_(p, alpha=group["weight_decay"])
             p.add_(u.to(p.dtype), alpha=-group["lr"])
+
+    @staticmethod
+    def _frozen_denominator(bucket: _Bucket, eps: float, bc2: float) -> torch.Tensor:
+        key = (eps, bc2)
+        if bucket.denominator is None or bucket.denominator_key != key:
+            bucket.denominator = torch.sqrt(bucket.exp_avg_sq[:bucket.numel])
+            if bc2 != 1.0:
+                bucket.denominator.div_(bc2**0.5)
+            bucket.denominator.add_(eps)
+            bucket.denominator_key = key
+        return bucket.denominator
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -538,6 +574,7 @@ class OnebitAdam(torch.optim.Optimizer):
             if bucket.mask is not None:
                 bucket.exp_avg.mul_(bucket.mask)
             bucket.frozen_mask, bucket.frozen_mask_ready = None, False
+            bucket.denominator = None
         self.reset_compression_errors()
         if self._backend.rank == 0:
             logger.info(

@@ -491,3 +491,13 @@ def test_zero_variance_coordinates_do_not_explode_after_the_freeze(caplog):
     assert (p.detach()[4:] - 1).abs().max() < 1.0  # the others moved by O(lr) per step
     assert not torch.equal(p.detach()[4:], torch.ones(12))
     assert any("4 coordinates with zero variance keep a zero momentum" in r.message for r in caplog.records)
+
+
+def test_huge_finite_gradients_are_not_taken_for_an_overflow():
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = OnebitAdam([p], lr=1e-3, freeze_step=1, comm_backend_name="local")
+    for _ in range(2):  # warmup, then compression (where the finiteness check runs on local grads)
+        p.grad = torch.full((4,), 3e38)  # the float32 sum overflows; every element is finite
+        opt.step()
+    assert opt.step_count == 2
+    assert opt.comm_stats()["compression"]["skipped_steps"] == 0

@@ -1,7 +1,7 @@
-"""Throughput of the codec kernels: reference (pure torch) vs the fused CPU kernels vs numpy.
+"""Throughput of the codec kernels (reference, fused CPU, numpy), and what they cost on 2 ranks.
 
-    python benchmarks/bench_codec.py            # 1M, 8M and 32M floats
-    python benchmarks/bench_codec.py --quick    # 1M only
+    python benchmarks/kernels.py            # 1M, 8M and 32M floats; 8M floats on 2 gloo ranks
+    python benchmarks/kernels.py --quick    # 1M floats only, 1M on 2 ranks
 
 For each size N it times, best of several runs:
 
@@ -14,14 +14,20 @@ for ``reference``, ``cpu`` (all of torch's threads), ``cpu-1t`` (one thread) and
 straightforward multi-pass numpy codec: ``packbits``/``unpackbits``, as DeepSpeed's CPU path did),
 next to ``copy``, a numpy copy of the N floats (the memory-bandwidth yardstick). Throughput is GB/s
 of fp32 data (4N bytes over the best time); ratios are taken between numbers of the same run.
-It prints a markdown table and writes ``benchmarks/results/codec.json`` and ``codec.md``.
+Then, on 2 gloo ranks of this machine (loopback: the network is nearly free, so this measures
+what compression *costs*), interleaved in one run: a compressed all-reduce of N floats vs a plain
+fp32 ``all_reduce``, and a compression-phase ``OnebitAdam.step()`` on one N-element tensor vs an
+fp32 all-reduce of its gradient + ``torch.optim.Adam.step()``.
+It prints markdown tables and writes ``benchmarks/results/kernels.json`` and ``kernels.md``.
 Shared machines are noisy: compare ratios within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import statistics
 import os
 import platform
 import tempfile
@@ -30,8 +36,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from onebit.kernels import REFERENCE, KernelSet
+from onebit import OnebitAdam
+from onebit.backends.torch_dist import TorchDistBackend
+from onebit.collectives import CompressionState, compressed_allreduce_
+from onebit.compression import padded_length
+from onebit.kernels import REFERENCE, KernelSet, get_kernels
 from onebit.kernels import cpu as cpu_kernels
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -151,14 +163,66 @@ def _machine(cpu_loaded) -> dict:
     }
 
 
+def _rank(rank: int, n: int, repeats: int, store: str, out: str) -> None:
+    """One of 2 gloo ranks: interleaved timings of the four operations, medians to ``out``."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    backend = TorchDistBackend(expected="gloo")
+    kernels = get_kernels("cpu")
+    padded = padded_length(n, 2)
+    state = CompressionState(padded, 2, "cpu")
+    buffer = torch.randn(padded)
+    grad = torch.randn(n)
+
+    onebit_param = torch.nn.Parameter(torch.randn(n))
+    onebit = OnebitAdam([onebit_param], lr=1e-4, freeze_step=1, comm_backend_name="gloo")
+    adam_param = torch.nn.Parameter(onebit_param.detach().clone())
+    adam = torch.optim.Adam([adam_param], lr=1e-4)
+    onebit_param.grad, adam_param.grad = grad.clone(), grad.clone()
+    onebit.step()  # the warmup step; every later step is a compression step
+
+    def adam_step():
+        dist.all_reduce(adam_param.grad)
+        adam_param.grad.div_(2)
+        adam.step()
+
+    ops = {
+        "compressed_allreduce": lambda: compressed_allreduce_(buffer, state, backend, kernels),
+        "fp32_allreduce": lambda: dist.all_reduce(grad),
+        "onebit_compression_step": onebit.step,
+        "fp32_allreduce_plus_adam_step": adam_step,
+    }
+    times = {name: [] for name in ops}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, fn in ops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        Path(out).write_text(json.dumps({name: statistics.median(t[1:]) for name, t in times.items()}))
+    dist.destroy_process_group()
+
+
+def _two_ranks(n: int, repeats: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ranks.json")
+        mp.start_processes(_rank, args=(n, repeats, os.path.join(tmp, "store"), out), nprocs=2,
+                           start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M floats only")
     parser.add_argument("--sizes", type=lambda s: [int(float(v)) for v in s.split(",")],
                         help="comma-separated float counts (default 1M,8M,32M)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ranks-size", type=lambda v: int(float(v)), default=None,
+                        help="floats for the 2-rank comparison (default 8M, 1M with --quick)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    ranks_n = args.ranks_size or ((1 << 20) if args.quick else (8 << 20))
     sizes = args.sizes or ([1 << 20] if args.quick else [1 << 20, 8 << 20, 32 << 20])
 
     with tempfile.TemporaryDirectory() as tmp:  # a cold build, for the compile time
@@ -204,12 +268,27 @@ def main() -> None:
             f"{g['cpu']:.2f} | {r['copy_gbs']:.2f} | {r['cpu_vs_reference']:.0f}x | {r['cpu_vs_numpy']:.1f}x | "
             f"{r['cpu_vs_copy']:.2f} |"
         )
+    ranks = _two_ranks(ranks_n, args.repeats)
+    step_ratio = ranks["onebit_compression_step"] / ranks["fp32_allreduce_plus_adam_step"]
+    lines += [
+        "",
+        f"2 gloo ranks on loopback, one tensor of {ranks_n / (1 << 20):.0f}M floats, median of {args.repeats} "
+        "interleaved rounds (ms):",
+        "",
+        "| compressed all-reduce | fp32 all_reduce | OnebitAdam compression step | fp32 all_reduce + Adam.step | "
+        "step ratio |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {ranks['compressed_allreduce'] * 1e3:.1f} | {ranks['fp32_allreduce'] * 1e3:.1f} | "
+        f"{ranks['onebit_compression_step'] * 1e3:.1f} | {ranks['fp32_allreduce_plus_adam_step'] * 1e3:.1f} | "
+        f"{step_ratio:.2f}x |",
+    ]
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "codec.md").write_text(table + "\n")
-    (args.out / "codec.json").write_text(json.dumps(
-        {"machine": machine, "compile_s": compile_s, "repeats": args.repeats, "rows": rows}, indent=2) + "\n")
+    (args.out / "kernels.md").write_text(table + "\n")
+    (args.out / "kernels.json").write_text(json.dumps(
+        {"machine": machine, "compile_s": compile_s, "repeats": args.repeats, "rows": rows,
+         "two_ranks": {"floats": ranks_n, "median_s": ranks, "step_ratio": step_ratio}}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
