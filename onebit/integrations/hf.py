@@ -1,0 +1,57 @@
+"""Hugging Face ``transformers.Trainer``: attach the onebit DDP hook to the model Trainer wraps.
+
+Trainer wraps the model in ``DistributedDataParallel`` itself, inside ``train()``, after the
+``on_train_begin`` callbacks. :func:`attach_trainer` adds a callback that, at the first
+``on_step_begin`` (before the first backward), finds the DDP wrapper and calls
+:func:`onebit.integrations.attach_ddp` on it; without DDP (one process) it does nothing.
+``transformers`` is imported only here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .ddp import attach_ddp
+
+__all__ = ["attach_trainer"]
+
+
+def _onebit_optimizer(optimizer: Any) -> Any:
+    # accelerate wraps the optimizer (AcceleratedOptimizer.optimizer); unwrap to OnebitAdam.
+    seen = 0
+    while optimizer is not None and not hasattr(optimizer, "set_warmup_gradients_averaged") and seen < 4:
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return optimizer
+
+
+def attach_trainer(trainer: Any) -> None:
+    """Make ``trainer`` (a ``transformers.Trainer`` built with
+    ``optimizers=(OnebitAdam(...), scheduler)``) use the onebit DDP hook when it trains on
+    several ranks, so that gradients are averaged once in warmup and not at all afterwards."""
+    try:
+        from transformers import TrainerCallback
+    except ImportError as exc:
+        raise ImportError('attach_trainer needs transformers: pip install "onebit[examples]"') from exc
+    if not hasattr(trainer, "add_callback") or not hasattr(trainer, "model_wrapped"):
+        raise TypeError(f"attach_trainer needs a transformers.Trainer, got {type(trainer).__name__}")
+    if _onebit_optimizer(trainer.optimizer) is None:
+        raise ValueError(
+            "the Trainer has no OnebitAdam: build it with optimizers=(OnebitAdam(model.parameters(), ...), scheduler)"
+        )
+
+    class OnebitDDPCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.attached = False
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not self.attached:
+                model = trainer.model_wrapped
+                if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                    attach_ddp(model, _onebit_optimizer(trainer.optimizer))
+                self.attached = True
+            return control
+
+    trainer.add_callback(OnebitDDPCallback())

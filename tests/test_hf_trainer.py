@@ -1,0 +1,39 @@
+"""OnebitAdam in transformers.Trainer under torchrun (2 gloo ranks), with the DDP hook attached."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_trainer_with_onebit_on_two_ranks(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples/hf_trainer/train.py"),
+           "--steps", "12", "--freeze-step", "4", "--output-dir", str(tmp_path / "out"),
+           "--result", str(tmp_path / "result")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in range(2)]
+    assert results[0]["param_sum"] == results[1]["param_sum"]  # identical weights, no broadcast
+    assert results[0]["param_abs_sum"] == results[1]["param_abs_sum"]
+    stats = results[0]["stats"]
+    assert stats["warmup"]["steps"] == 4 and stats["compression"]["steps"] == 8
+    # Warmup gradients were averaged once, by DDP: the optimizer sent only the 8-byte layout check.
+    assert stats["warmup"]["bytes_sent"] == 8
+    # Compression: 1-bit momentum, about numel / 8 bytes per step on 2 ranks (plus scales and flag).
+    per_step = stats["last_step"]["bytes_sent"]
+    assert results[0]["numel"] / 8 <= per_step <= 1.05 * results[0]["numel"] / 8 + 64
