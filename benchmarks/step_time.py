@@ -37,7 +37,7 @@ def _model(params: float, width: int) -> torch.nn.Module:
 def _rank(rank: int, world_size: int, args: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                             timeout=datetime.timedelta(seconds=300))
+                            timeout=datetime.timedelta(seconds=300))
     model = _model(args.params, args.width)
     opt = OnebitAdam(model.parameters(), lr=1e-4, freeze_step=args.steps, comm_backend_name="gloo",
                      kernels=args.kernels)
