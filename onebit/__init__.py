@@ -9,6 +9,7 @@ from .backends import BACKEND_NAMES, CommBackend, LocalBackend
 from .checkpoint import load_checkpoint, save_checkpoint
 from .collectives import CompressionState, compressed_allreduce_
 from .config import from_config
+from .estimate import estimate_speedup
 from .optimizer import OnebitAdam
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "LocalBackend",
     "OnebitAdam",
     "compressed_allreduce_",
+    "estimate_speedup",
     "from_config",
     "load_checkpoint",
     "save_checkpoint",

@@ -1,0 +1,176 @@
+"""A rate-capped network between ranks on one machine: network namespaces, veth pairs, ``tc tbf``.
+
+    with SlowLink(world_size=2, rate_gbit=1.0) as link:
+        link.popen(rank, [sys.executable, "peers.py", ...], env)   # one rank per namespace
+
+Two ranks: namespaces ``ob<pid>r0`` and ``ob<pid>r1`` joined by one veth pair. More ranks: one
+namespace per rank plus a hub namespace ``ob<pid>hub`` holding a bridge, each rank joined to it by
+its own veth pair. Every veth end (both directions, the bridge side too) gets a token-bucket cap
+``tbf rate <rate> burst 256kb latency 50ms``, so each rank has a full-duplex link of that rate, as
+behind a switch. Addresses are ``10.<a>.<b>.<rank+1>/24`` inside those namespaces only; nothing is
+routed out of them, and nothing outside them is touched.
+
+Teardown deletes the namespaces the object created (their veths go with them) on ``__exit__``, at
+interpreter exit (``atexit``) and on SIGTERM/SIGHUP, so that a failed or interrupted run leaves nothing
+behind; rank processes started through :meth:`SlowLink.popen` are killed first. Needs root and
+iproute2 (``ip``, ``tc``): :func:`unavailable_reason` says why not, for a clean skip.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+__all__ = ["SlowLink", "unavailable_reason", "LinkCounters"]
+
+BURST = "256kb"
+LATENCY = "50ms"
+
+
+def unavailable_reason() -> str | None:
+    """None when namespaces can be made here, else a sentence saying what is missing."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "network namespaces need root (run as root, or use --quick for loopback only)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' not found: install iproute2 (apt-get install -y iproute2)"
+    probe = f"obprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"'ip netns add' failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(*args: str) -> None:
+    proc = subprocess.run(list(args), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+
+
+class LinkCounters:
+    """Bytes and packets a rank's interface sent and received (``/sys/class/net/<if>/statistics``),
+    read from inside its namespace (``ip netns exec`` mounts that namespace's sysfs)."""
+
+    FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
+
+    def __init__(self, ifname: str) -> None:
+        self.base = Path("/sys/class/net") / ifname / "statistics"
+
+    def read(self) -> dict[str, int]:
+        return {f: int((self.base / f).read_text()) for f in self.FIELDS}
+
+
+class SlowLink:
+    """Namespaces, veths and rate caps for ``world_size`` ranks; see the module docstring."""
+
+    def __init__(self, world_size: int, rate_gbit: float, *, mtu: int = 1500, tag: str | None = None) -> None:
+        if world_size < 2:
+            raise ValueError(f"a link needs at least 2 ranks, got world_size={world_size}")
+        if not rate_gbit > 0:
+            raise ValueError(f"rate_gbit must be > 0, got {rate_gbit!r}")
+        self.world_size = world_size
+        self.rate_gbit = rate_gbit
+        self.mtu = mtu
+        tag = tag or str(os.getpid())
+        self.prefix = f"ob{tag}"
+        pid = os.getpid()
+        self.subnet = f"10.{100 + pid % 100}.{(pid // 100) % 250}"
+        self.namespaces = [f"{self.prefix}r{r}" for r in range(world_size)]
+        self.hub = f"{self.prefix}hub" if world_size > 2 else None
+        self.ifnames = [f"{self.prefix}v{r}" for r in range(world_size)]
+        self.created: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self._old_handlers: dict[int, object] = {}
+
+    def address(self, rank: int) -> str:
+        return f"{self.subnet}.{rank + 1}"
+
+    @property
+    def master_addr(self) -> str:
+        return self.address(0)
+
+    def _rate(self) -> str:
+        return f"{self.rate_gbit * 1000:g}mbit"
+
+    def _cap(self, namespace: str, ifname: str) -> None:
+        _run("tc", "-n", namespace, "qdisc", "add", "dev", ifname, "root", "tbf", "rate", self._rate(),
+             "burst", BURST, "latency", LATENCY)
+
+    def _add_namespace(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self.created.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def up(self) -> "SlowLink":
+        atexit.register(self.down)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            for ns in self.namespaces:
+                self._add_namespace(ns)
+            if self.hub is None:
+                a, b = self.ifnames
+                _run("ip", "link", "add", a, "netns", self.namespaces[0], "type", "veth",
+                     "peer", "name", b, "netns", self.namespaces[1])
+            else:
+                self._add_namespace(self.hub)
+                _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+                _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+                for r, (ns, ifname) in enumerate(zip(self.namespaces, self.ifnames)):
+                    port = f"p{r}"
+                    _run("ip", "link", "add", ifname, "netns", ns, "type", "veth", "peer", "name", port,
+                         "netns", self.hub)
+                    _run("ip", "-n", self.hub, "link", "set", port, "mtu", str(self.mtu))
+                    _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+                    _run("ip", "-n", self.hub, "link", "set", port, "up")
+                    self._cap(self.hub, port)
+            for r, (ns, ifname) in enumerate(zip(self.namespaces, self.ifnames)):
+                _run("ip", "-n", ns, "link", "set", ifname, "mtu", str(self.mtu))
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", ifname)
+                _run("ip", "-n", ns, "link", "set", ifname, "up")
+                self._cap(ns, ifname)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def popen(self, rank: int, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside rank's namespace with GLOO_SOCKET_IFNAME and MASTER_ADDR set."""
+        env = {**env, "GLOO_SOCKET_IFNAME": self.ifnames[rank], "MASTER_ADDR": self.master_addr,
+               "ONEBIT_BENCH_IFNAME": self.ifnames[rank]}
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank], *argv], env=env, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def down(self) -> None:
+        """Kill the ranks this object started and delete its namespaces (idempotent)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.procs = []
+        for ns in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.created = []
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+        atexit.unregister(self.down)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.down()
+        raise SystemExit(128 + signum)
+
+    def __enter__(self) -> "SlowLink":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()

@@ -1,0 +1,284 @@
+"""One rank of the peer benchmark; started by ``benchmarks/slowlink.py`` (not meant to be run by hand).
+
+``--mode steps``: every configuration below is built once (its own copy of the model), warmed up,
+then run one step at a time, **interleaved** (round ``r`` runs every configuration once, in an
+order rotated by ``r``), so that a change of load on the machine hits every configuration alike:
+
+* ``adam``: ``DistributedDataParallel`` + ``torch.optim.Adam``;
+* ``powersgd1`` / ``powersgd4``: DDP + the PowerSGD comm hook (rank 1 / 4, ``start_powerSGD_iter=2``)
+  + Adam;
+* ``onebit_warmup``: ``OnebitAdam`` in its warmup phase (it all-reduces the gradients itself);
+* ``onebit_compression``: ``OnebitAdam`` in its compression phase (``kernels='auto'``);
+* ``onebit_ddp_compression`` (optional): DDP + ``attach_ddp`` + OnebitAdam in compression;
+* ``onebit_ddp_nosync_compression`` (optional): the same, with backward run under
+  ``ddp.no_sync()`` in the compression phase (DDP then neither copies nor hooks the gradients).
+
+Each step is timed from a barrier to the end of ``optimizer.step()``, split into forward+backward
+(which includes DDP's overlapped all-reduce) and the optimizer step. When ``ONEBIT_BENCH_IFNAME``
+names this rank's interface, its sysfs counters are read before and after every step. For
+``onebit_compression`` the codec calls and the optimizer's element-wise maths are timed by
+wrapping them (this reaches into ``OnebitAdam``'s private ``_kernels`` and ``_gather_grads``: a
+benchmark may, the library must not).
+
+``--mode scaling``: collectives and bytes per compression step for models of ``--tensors`` tensors.
+
+Rank, world size and the rendezvous come from the environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``); each rank writes ``<out>/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import onebit.functional as onebit_functional
+from onebit import OnebitAdam
+from onebit.estimate import measure_local_costs
+from onebit.integrations import attach_ddp
+from onebit.kernels import KernelSet
+
+DEFAULT_CONFIGS = ("adam", "powersgd1", "powersgd4", "onebit_warmup", "onebit_compression")
+ALL_CONFIGS = DEFAULT_CONFIGS + ("onebit_ddp_compression", "onebit_ddp_nosync_compression")
+COUNTER_FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
+
+
+def make_model(params: float, width: int, seed: int = 0) -> torch.nn.Module:
+    """A stack of square Linear + ReLU layers with about ``params`` parameters."""
+    layers = max(1, round(params / (width * width + width)))
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*blocks[:-1])
+
+
+def _counters() -> dict[str, int] | None:
+    ifname = os.environ.get("ONEBIT_BENCH_IFNAME")
+    if not ifname:
+        return None
+    base = Path("/sys/class/net") / ifname / "statistics"
+    return {f: int((base / f).read_text()) for f in COUNTER_FIELDS}
+
+
+class _Timers:
+    """Accumulates seconds by label for the step being timed."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, float] | None = None
+
+    def wrap(self, label: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.active is not None:
+                    self.active[label] = self.active.get(label, 0.0) + time.perf_counter() - start
+        return timed
+
+
+TIMERS = _Timers()
+# The optimizer calls these through the module (``F.momentum_``), so wrapping the module's names
+# times them for every OnebitAdam in this process.
+for _name in ("momentum_", "adam_moments_", "adam_direction_"):
+    setattr(onebit_functional, _name, TIMERS.wrap(_name.rstrip("_"), getattr(onebit_functional, _name)))
+
+
+def serialized_powersgd_hook(state, bucket):  # unannotated: DDP checks the annotations at run time
+    """``powerSGD_hook``, waited for before the next bucket's hook runs. The hook issues its later
+    all-reduces from the callbacks of earlier ones (on gloo's threads), while autograd's thread
+    goes on issuing the next bucket's: on gloo the ranks can then enqueue collectives in different
+    orders and fail ("Received data size doesn't match expected size"). Waiting per bucket keeps
+    the order, at the cost of PowerSGD's (small) overlap of communication with backward."""
+    fut = powersgd.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
+# OnebitAdam methods timed in the compression configuration, when the installed version has them.
+TIMED_METHODS = {"_gather_grads": "gather_grads", "_all_finite": "finite_check", "_frozen_denominator": "denominator"}
+
+
+def _instrument(opt: OnebitAdam) -> None:
+    opt._kernels = {
+        device: KernelSet(name=k.name, worker_compress_=TIMERS.wrap("codec_worker", k.worker_compress_),
+                          server_compress_=TIMERS.wrap("codec_server", k.server_compress_),
+                          decode_=TIMERS.wrap("codec_decode", k.decode_))
+        for device, k in opt._kernels.items()
+    }
+    for method, label in TIMED_METHODS.items():
+        if hasattr(opt, method):
+            setattr(opt, method, TIMERS.wrap(label, getattr(opt, method)))
+
+
+class Config:
+    def __init__(self, name: str, args: argparse.Namespace, seed: int) -> None:
+        self.name = name
+        self.model = make_model(args.params, args.width, seed)
+        self.onebit = name.startswith("onebit")
+        self.forward = self.model
+        if name == "adam" or name.startswith("powersgd"):
+            self.forward = DDP(self.model)
+            if name.startswith("powersgd"):
+                state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(name[-1]),
+                                               start_powerSGD_iter=2, random_seed=0)
+                self.forward.register_comm_hook(state, serialized_powersgd_hook)
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
+        elif name == "onebit_warmup":
+            self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=10**9, comm_backend_name="gloo")
+        elif name in ("onebit_compression", "onebit_ddp_compression", "onebit_ddp_nosync_compression"):
+            self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=2, comm_backend_name="gloo",
+                                        kernels=args.kernels)
+            if name != "onebit_compression":
+                self.forward = DDP(self.model)
+                attach_ddp(self.forward, self.optimizer)
+                self.no_sync = name == "onebit_ddp_nosync_compression"
+            else:
+                _instrument(self.optimizer)
+        else:
+            raise ValueError(f"unknown configuration {name!r}; expected one of {', '.join(ALL_CONFIGS)}")
+        self.records: list[dict] = []
+
+    def _sync_context(self):
+        if getattr(self, "no_sync", False) and self.optimizer.phase == "compression":
+            return self.forward.no_sync()
+        return contextlib.nullcontext()
+
+    def step(self, x: torch.Tensor, record: bool) -> None:
+        dist.barrier()
+        before = _counters()
+        timers: dict[str, float] = {}
+        TIMERS.active = timers if self.name == "onebit_compression" else None
+        start, cpu_start = time.perf_counter(), time.process_time()
+        self.optimizer.zero_grad()
+        with self._sync_context():
+            self.forward(x).square().mean().backward()
+        middle = time.perf_counter()
+        self.optimizer.step()
+        end, cpu_end = time.perf_counter(), time.process_time()
+        TIMERS.active = None
+        after = _counters()
+        if not record:
+            return
+        row = {"step_s": end - start, "fwd_bwd_s": middle - start, "opt_s": end - middle, "cpu_s": cpu_end - cpu_start,
+               "profile": timers}
+        if before is not None:
+            row["link"] = {f: after[f] - before[f] for f in COUNTER_FIELDS}
+        if self.onebit:
+            stats = self.optimizer.comm_stats()
+            row["phase"] = stats["phase"]
+            row["onebit"] = stats["last_step"]
+        self.records.append(row)
+
+
+def _measure_costs(args: argparse.Namespace, numel: int, world: int) -> dict:
+    """What ``onebit.estimate`` measures on this machine, measured by every rank at once, between
+    rounds: the cores and the memory bus are shared as they are during the steps."""
+    dist.barrier()
+    costs = measure_local_costs(numel, world, repeats=1, kernels=args.kernels).as_dict()
+    dist.barrier()
+    return costs
+
+
+def run_steps(args: argparse.Namespace, rank: int, world: int) -> dict:
+    numel = sum(p.numel() for p in make_model(args.params, args.width).parameters())
+    configs = [Config(name, args, seed=i) for i, name in enumerate(args.configs)]
+    tensors = sum(1 for _ in configs[0].model.parameters())
+    torch.manual_seed(1000 + rank)
+    x = torch.randn(args.batch, args.width)
+    started = time.perf_counter()
+    for cfg in configs:
+        for _ in range(args.warmup_steps):
+            cfg.step(x, record=False)
+    costs = []
+    for r in range(args.rounds):
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        for cfg in order:
+            cfg.step(x, record=True)
+        if r < args.cost_rounds:
+            costs.append(_measure_costs(args, numel, world))
+    median = {k: statistics.median(c[k] for c in costs) for k in costs[0]} if costs else None
+    buckets = {c.name: c.optimizer.num_buckets for c in configs if c.onebit}
+    return {"rank": rank, "world_size": world, "numel": numel, "tensors": tensors, "batch": args.batch,
+            "width": args.width, "rounds": args.rounds, "wall_s": time.perf_counter() - started,
+            "buckets": buckets, "local_costs": median, "local_costs_by_round": costs,
+            "configs": {c.name: c.records for c in configs}}
+
+
+def run_scaling(args: argparse.Namespace, rank: int, world: int) -> dict:
+    """One launch of ``max(worlds)`` ranks; each world size runs on a subgroup of the first ranks."""
+    rows = []
+    for size in args.worlds:
+        group = dist.new_group(ranks=list(range(size)))  # every rank takes part in new_group
+        if rank < size:
+            for count in args.tensors:
+                rows.append(_scaling_row(args, rank, size, group, count))
+        dist.barrier()
+    return {"rank": rank, "world_size": world, "rows": rows}
+
+
+def _scaling_row(args: argparse.Namespace, rank: int, size: int, group, count: int) -> dict:
+    numel = max(1, int(args.params) // count)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
+    opt = OnebitAdam(params, lr=1e-5, freeze_step=1, comm_backend_name="gloo", group=group, kernels=args.kernels)
+    torch.manual_seed(1000 + rank)
+    steps = []
+    for _ in range(3):  # one warmup step (with the first-step layout check), two compression steps
+        for p in params:
+            p.grad = torch.randn_like(p)
+        phase = opt.phase
+        opt.step()
+        steps.append({"phase": phase, **opt.comm_stats()["last_step"]})
+    return {"world_size": size, "tensors": count, "numel": numel * count, "buckets": opt.num_buckets,
+            "steps": steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("steps", "scaling"), default="steps")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--params", type=float, default=25.2e6)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--cost-rounds", type=int, default=5,
+                        help="rounds after which the estimator's local costs are measured (median)")
+    parser.add_argument("--configs", type=lambda s: s.split(","), default=list(DEFAULT_CONFIGS))
+    parser.add_argument("--tensors", type=lambda s: [int(v) for v in s.split(",")], default=[10, 1000])
+    parser.add_argument("--worlds", type=lambda s: [int(v) for v in s.split(",")], default=[2, 3, 4],
+                        help="scaling: world sizes (subgroups of the launched ranks)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    try:
+        result = run_steps(args, rank, world) if args.mode == "steps" else run_scaling(args, rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    result["load_average_1min"] = os.getloadavg()[0]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""Should I compress? The expected speedup of a compression-phase step on a given link.
+
+A first-order model of one data-parallel step on ``n`` ranks holding ``N`` float32 parameters,
+each rank on a full-duplex link of ``B`` Gbit/s. What runs on one CPU is measured on this machine;
+only the network is modelled::
+
+    fp32 step   = compute_s + adam_step_s   + max(fp32_wire, fp32_reduce) + 2 (n-1) latency_s
+    1-bit step  = compute_s + onebit_step_s + codec + onebit_wire        + 2 (n-1) latency_s
+
+* ``fp32_wire = 2 (n-1)/n * 4N bytes / goodput``: a bandwidth-optimal (ring) all-reduce;
+* ``fp32_reduce = 4N bytes / reduce_gbps``: the all-reduce's own CPU work (gloo sums and copies
+  on the CPU, DDP copies into and out of its buckets; NCCL on GPUs: pass ``math.inf``). A ring
+  all-reduce sums one chunk while the next is on the wire, so the slower of the two sets its time;
+  the 1-bit codec runs before and after its transfers, so codec and wire add up;
+* ``onebit_wire = 2 (n-1) * (M/(8n) + 4) bytes / goodput``: the all-to-all and all-gather of
+  :func:`onebit.collectives.compressed_allreduce_`, ``M`` the padded length;
+* ``goodput = B * wire_efficiency``: TCP payload rate (default 1448/1514: 1500-byte Ethernet frames);
+* ``codec = 4M bytes / codec_gbps``: this rank's worker compress, server compress and decode;
+* ``adam_step_s``: a ``torch.optim.Adam`` step on ``N`` parameters; ``onebit_step_s``: the rest of
+  an ``OnebitAdam`` compression step (gradient copy, momentum, finiteness check, update), i.e.
+  a local step minus its codec time; ``compute_s``: forward + backward.
+
+``codec_gbps``, ``adam_step_s`` and ``onebit_step_s`` are measured here when not given
+(:func:`measure_local_costs`, on a sample of at most one default bucket, 16M parameters, scaled
+linearly; a few seconds), so run the estimate on the machine that will train, with the thread count it will use.
+The model leaves out what DDP's overlap of the all-reduce with backward hides (at most the
+backward time) and the slowdown of memory-bound work when other processes share the memory bus.
+
+Command line::
+
+    python -m onebit.estimate --params 50e6 --world-size 8 --bandwidth-gbps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .compression import allreduce_wire_bytes, chunk_bytes, compressed_wire_bytes, padded_length, row_bytes
+from .kernels import get_kernels
+
+__all__ = [
+    "SpeedupEstimate",
+    "LocalCosts",
+    "estimate_speedup",
+    "measure_codec_gbps",
+    "measure_local_costs",
+    "fp32_allreduce_bytes",
+    "onebit_allreduce_bytes",
+    "TCP_ETHERNET_EFFICIENCY",
+]
+
+# ``python -m onebit.estimate`` runs this module while the package (whose __init__ imports it) is
+# already imported; runpy then warns that it was "found in sys.modules". That is expected here.
+warnings.filterwarnings("ignore", message="'onebit.estimate' found in sys.modules", category=RuntimeWarning)
+
+# TCP payload per 1500-byte frame (IPv4 + TCP with timestamps: 1448 bytes) over the 1514 bytes the
+# frame takes on an Ethernet link (without preamble, FCS and inter-frame gap).
+TCP_ETHERNET_EFFICIENCY = 1448 / 1514
+DEFAULT_LATENCY_S = 50e-6
+# gloo's CPU work in DDP's fp32 all-reduce (with its bucket copies), GB/s of fp32 data: what the
+# 10 Gbit/s runs of benchmarks/slowlink.py show on the project's 2-core machines (~0.5 GB/s).
+DEFAULT_REDUCE_GBPS = 0.5
+DEFAULT_SAMPLE = 1 << 24  # one default OnebitAdam bucket: the same temporaries, the same allocator path
+
+
+@dataclass(frozen=True)
+class LocalCosts:
+    """What one rank's CPU spends per step on ``num_params`` parameters (measured)."""
+
+    num_params: int
+    codec_gbps: float
+    adam_step_s: float
+    onebit_step_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SpeedupEstimate:
+    """The estimate and its parts (seconds per step; bytes one rank sends per step)."""
+
+    speedup: float
+    baseline_step_s: float
+    compressed_step_s: float
+    fp32_wire_s: float
+    fp32_reduce_s: float
+    onebit_wire_s: float
+    codec_s: float
+    latency_s: float
+    compute_s: float
+    adam_step_s: float
+    onebit_step_s: float
+    fp32_bytes: int
+    onebit_bytes: int
+    codec_gbps: float
+    bandwidth_gbps: float
+    num_params: int
+    world_size: int
+
+    def __float__(self) -> float:
+        return self.speedup
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _int_at_least(name: str, value, minimum: int) -> int:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value != int(value) or int(value) < minimum:
+        raise ValueError(f"invalid {name}: {value!r}; expected an integer >= {minimum}")
+    return int(value)
+
+
+def _real(name: str, value, *, positive: bool, upper: float | None = None, allow_inf: bool = False) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+    ok = ok and (allow_inf or math.isfinite(value))
+    if not ok or (value <= 0 if positive else value < 0) or (upper is not None and value > upper):
+        bound = ("> 0" if positive else ">= 0") + (f" and <= {upper}" if upper is not None else "")
+        raise ValueError(f"invalid {name}: {value!r}; expected a finite number {bound}")
+    return float(value)
+
+
+# ------------------------------------------------------------------------------------ bytes
+
+
+def fp32_allreduce_bytes(num_params: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``num_params`` float32: ``2(n-1)/n * 4N``."""
+    return allreduce_wire_bytes(4 * num_params, world_size)
+
+
+def onebit_allreduce_bytes(num_params: int, world_size: int) -> int:
+    """Bytes one rank sends in one compressed all-reduce of ``num_params`` elements (one bucket):
+    ``2(n-1)/n * M/8`` sign bytes plus ``8(n-1)`` scale bytes, ``M`` the padded length."""
+    return compressed_wire_bytes(padded_length(num_params, world_size), world_size)
+
+
+# ------------------------------------------------------------------------------------ measurements
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # first touch of the buffers, kernel build or load, optimizer state
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _codec_seconds(world_size: int, numel: int, repeats: int, kernels: str | None) -> tuple[float, int]:
+    n = world_size
+    impl = get_kernels("cpu", kernels)
+    padded = padded_length(numel, n)
+    signs, row = chunk_bytes(padded, n), row_bytes(padded, n)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(padded, generator=gen)
+    worker_error = torch.zeros(padded)
+    server_error = torch.zeros(padded // n)
+    send = torch.zeros(n, row, dtype=torch.uint8)
+    recv = torch.randint(0, 256, (n, row), dtype=torch.uint8, generator=gen)
+    gathered = torch.randint(0, 256, (n, row), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(n, generator=gen) + 0.5
+    out = torch.empty(padded)
+    packed = torch.zeros(signs, dtype=torch.uint8)
+
+    def once() -> None:
+        impl.worker_compress_(x, worker_error, send[:, :signs])
+        impl.server_compress_(recv[:, :signs], scales, server_error, packed)
+        impl.decode_(gathered[:, :signs], scales, out)
+
+    return _median_time(once, repeats), padded
+
+
+def measure_codec_gbps(world_size: int = 2, numel: int = DEFAULT_SAMPLE, *, repeats: int = 3,
+                       kernels: str | None = None) -> float:
+    """Codec throughput on this CPU: GB/s of float32 input for one rank's share of a compressed
+    all-reduce of ``numel`` elements on ``world_size`` ranks (worker compress, server compress of
+    its chunk from ``world_size`` rows, decode), the median of ``repeats`` runs, with torch's
+    current thread count. ``kernels`` as in ``OnebitAdam`` (default ``'auto'``). A ``numel`` larger
+    than the caches (the default: 64 MiB of floats) shows memory speed, as in training."""
+    n = _int_at_least("world_size", world_size, 1)
+    numel = _int_at_least("numel", numel, 1)
+    repeats = _int_at_least("repeats", repeats, 1)
+    seconds, padded = _codec_seconds(n, numel, repeats, kernels)
+    return 4 * padded / seconds / 1e9
+
+
+def measure_local_costs(num_params: int, world_size: int = 2, *, sample: int = DEFAULT_SAMPLE, repeats: int = 3,
+                        kernels: str | None = None) -> LocalCosts:
+    """Measure on this CPU, on ``min(num_params, sample)`` parameters, scaled to ``num_params``:
+    the codec throughput (:func:`measure_codec_gbps`), a ``torch.optim.Adam`` step, and an
+    ``OnebitAdam`` compression step on one process (world size 1) minus its own codec time."""
+    from .backends import LocalBackend
+    from .optimizer import OnebitAdam
+
+    num_params = _int_at_least("num_params", num_params, 1)
+    n = _int_at_least("world_size", world_size, 1)
+    size = min(num_params, _int_at_least("sample", sample, 8))
+    repeats = _int_at_least("repeats", repeats, 1)
+    scale = num_params / size
+    codec_gbps = measure_codec_gbps(n, size, repeats=repeats, kernels=kernels)
+
+    def tensors() -> list[torch.Tensor]:
+        pieces = [1 << 20] * (size // (1 << 20)) + ([size % (1 << 20)] if size % (1 << 20) else [])
+        out = []
+        for k in pieces:
+            p = torch.nn.Parameter(torch.randn(k) * 0.01)
+            p.grad = torch.randn(k)
+            out.append(p)
+        return out
+
+    params = tensors()
+    adam = torch.optim.Adam(params, lr=1e-6)
+    adam_s = _median_time(adam.step, repeats)
+    del adam, params
+    params = tensors()
+    onebit = OnebitAdam(params, lr=1e-6, freeze_step=1, backend=LocalBackend(), kernels=kernels)
+    onebit.step()  # warmup step: the variance is frozen after it
+    onebit_s = _median_time(onebit.step, repeats)
+    local_codec_s, _ = _codec_seconds(1, size, repeats, kernels)
+    return LocalCosts(num_params=num_params, codec_gbps=codec_gbps, adam_step_s=adam_s * scale,
+                      onebit_step_s=max(0.0, onebit_s - local_codec_s) * scale)
+
+
+# ------------------------------------------------------------------------------------ the estimate
+
+
+def estimate_speedup(
+    num_params: int,
+    world_size: int,
+    bandwidth_gbps: float,
+    *,
+    codec_gbps: float | None = None,
+    compute_s: float = 0.0,
+    adam_step_s: float | None = None,
+    onebit_step_s: float | None = None,
+    latency_s: float = DEFAULT_LATENCY_S,
+    reduce_gbps: float = DEFAULT_REDUCE_GBPS,
+    wire_efficiency: float = TCP_ETHERNET_EFFICIENCY,
+) -> SpeedupEstimate:
+    """Expected speedup of a 1-bit Adam compression-phase step over a step with an fp32 ring
+    all-reduce of the gradients and ``torch.optim.Adam`` (model: the module docstring).
+
+    Args:
+        num_params: float32 elements averaged per step (the trainable parameters).
+        world_size: data-parallel ranks (>= 2).
+        bandwidth_gbps: each rank's link rate in Gbit/s, each direction.
+        codec_gbps: codec throughput, GB/s of float32 input (:func:`measure_codec_gbps`).
+        compute_s: forward + backward seconds per step, without communication.
+        adam_step_s: seconds of a ``torch.optim.Adam`` step on ``num_params``.
+        onebit_step_s: seconds of an ``OnebitAdam`` compression step apart from codec and wire.
+        latency_s: one-way latency per message; each all-reduce pays ``2(n-1)`` of them.
+        reduce_gbps: CPU throughput of the fp32 all-reduce's own work, GB/s of fp32 data
+            (``math.inf`` to leave it out, e.g. for NCCL on GPUs).
+        wire_efficiency: TCP payload rate over link rate (default: 1500-byte Ethernet frames).
+
+    ``codec_gbps``, ``adam_step_s`` and ``onebit_step_s`` left as None are measured on this machine
+    (:func:`measure_local_costs`). Returns a :class:`SpeedupEstimate`; ``float(estimate)`` is the
+    speedup (above 1: compression pays). Raises ``ValueError`` naming an argument out of range.
+    """
+    num_params = _int_at_least("num_params", num_params, 1)
+    n = _int_at_least("world_size", world_size, 2)
+    bandwidth = _real("bandwidth_gbps", bandwidth_gbps, positive=True)
+    compute_s = _real("compute_s", compute_s, positive=False)
+    latency_s = _real("latency_s", latency_s, positive=False)
+    reduce_gbps = _real("reduce_gbps", reduce_gbps, positive=True, allow_inf=True)
+    efficiency = _real("wire_efficiency", wire_efficiency, positive=True, upper=1.0)
+    given = {"codec_gbps": codec_gbps, "adam_step_s": adam_step_s, "onebit_step_s": onebit_step_s}
+    for name, value in given.items():
+        if value is not None:
+            _real(name, value, positive=name == "codec_gbps")
+    if any(v is None for v in given.values()):
+        measured = measure_local_costs(num_params, n)
+        given = {k: getattr(measured, k) if v is None else v for k, v in given.items()}
+    codec_gbps, adam_step_s, onebit_step_s = (float(given[k]) for k in ("codec_gbps", "adam_step_s", "onebit_step_s"))
+
+    goodput = bandwidth * 1e9 / 8 * efficiency  # TCP payload bytes per second
+    fp32_bytes = fp32_allreduce_bytes(num_params, n)
+    onebit_bytes = onebit_allreduce_bytes(num_params, n)
+    fp32_wire_s = fp32_bytes / goodput
+    fp32_reduce_s = 4 * num_params / (reduce_gbps * 1e9)
+    onebit_wire_s = onebit_bytes / goodput
+    codec_s = 4 * padded_length(num_params, n) / (codec_gbps * 1e9)
+    latency = 2 * (n - 1) * latency_s
+    baseline = compute_s + adam_step_s + max(fp32_wire_s, fp32_reduce_s) + latency
+    compressed = compute_s + onebit_step_s + codec_s + onebit_wire_s + latency
+    return SpeedupEstimate(
+        speedup=baseline / compressed, baseline_step_s=baseline, compressed_step_s=compressed,
+        fp32_wire_s=fp32_wire_s, fp32_reduce_s=fp32_reduce_s, onebit_wire_s=onebit_wire_s, codec_s=codec_s,
+        latency_s=latency, compute_s=compute_s, adam_step_s=adam_step_s, onebit_step_s=onebit_step_s,
+        fp32_bytes=fp32_bytes, onebit_bytes=onebit_bytes, codec_gbps=codec_gbps, bandwidth_gbps=bandwidth,
+        num_params=num_params, world_size=n,
+    )
+
+
+def format_estimate(est: SpeedupEstimate) -> str:
+    """A few lines of text for people."""
+    ms = lambda s: f"{s * 1e3:8.1f} ms"
+    return "\n".join([
+        f"{est.num_params / 1e6:.1f}M float32 parameters, {est.world_size} ranks, {est.bandwidth_gbps:g} Gbit/s "
+        f"per rank, codec {est.codec_gbps:.2f} GB/s",
+        f"  bytes per rank per step: fp32 ring all-reduce {est.fp32_bytes:,}; 1-bit {est.onebit_bytes:,} "
+        f"({est.fp32_bytes / est.onebit_bytes:.1f}x fewer)",
+        f"  fp32 + Adam step: compute {ms(est.compute_s)} + Adam  {ms(est.adam_step_s)} + max(wire "
+        f"{ms(est.fp32_wire_s)}, reduce {ms(est.fp32_reduce_s)}) = {ms(est.baseline_step_s)}",
+        f"  1-bit step:       compute {ms(est.compute_s)} + maths {ms(est.onebit_step_s)} + wire "
+        f"{ms(est.onebit_wire_s)} + codec  {ms(est.codec_s)} = {ms(est.compressed_step_s)}",
+        f"  expected speedup of the compression phase: {est.speedup:.2f}x"
+        + ("" if est.speedup > 1.05 else " (compression does not pay on this link)"),
+    ]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: write the estimate (or its JSON with ``--json``) to standard output."""
+    parser = argparse.ArgumentParser(prog="python -m onebit.estimate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 50e6")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--bandwidth-gbps", type=float, required=True, help="link rate per rank, Gbit/s")
+    parser.add_argument("--compute-s", type=float, default=0.0, help="forward+backward seconds per step")
+    parser.add_argument("--codec-gbps", type=float, default=None, help="default: measured here")
+    parser.add_argument("--adam-step-s", type=float, default=None, help="default: measured here")
+    parser.add_argument("--onebit-step-s", type=float, default=None, help="default: measured here")
+    parser.add_argument("--latency-s", type=float, default=DEFAULT_LATENCY_S)
+    parser.add_argument("--reduce-gbps", type=float, default=DEFAULT_REDUCE_GBPS)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for the measurements")
+    parser.add_argument("--json", action="store_true", help="write the estimate as JSON")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    params = int(args.params) if float(args.params).is_integer() else args.params
+    try:
+        est = estimate_speedup(params, args.world_size, args.bandwidth_gbps, codec_gbps=args.codec_gbps,
+                               compute_s=args.compute_s, adam_step_s=args.adam_step_s,
+                               onebit_step_s=args.onebit_step_s, latency_s=args.latency_s,
+                               reduce_gbps=args.reduce_gbps)
+    except ValueError as exc:
+        parser.error(str(exc))
+    sys.stdout.write(json.dumps(est.as_dict(), indent=2) + "\n" if args.json else format_estimate(est))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
