@@ -1,0 +1,480 @@
+"""Masked-language-model pretraining of a small BERT with 1-bit Adam, data-parallel, one process per rank.
+
+    torchrun --nproc-per-node 2 examples/bert/pretrain.py --config examples/bert/configs/onebit_gloo.json --out runs/onebit
+    mpiexec -n 2 python -m mpi4py examples/bert/pretrain.py --config examples/bert/configs/onebit_mpi.json --out runs/mpi
+
+The optimizer and its transport come from a DeepSpeed-style JSON config (``onebit.from_config``).
+The model is *not* wrapped in DDP: ``OnebitAdam`` all-reduces the gradients itself during warmup
+and, after ``freeze_step``, averages compressed momenta instead of gradients, so each rank only runs
+backward on its own shard and calls ``optimizer.step()``.
+
+Writes to ``--out``: ``metrics.jsonl`` (one JSON object per line: start, train, eval, end),
+``checkpoint.pt`` every ``--checkpoint-every`` steps (``--resume`` continues from it) and
+``summary.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import bert_data
+import onebit
+
+logger = logging.getLogger("pretrain")
+
+HERE = Path(__file__).resolve().parent
+CHECKPOINT_FORMAT = 1
+
+#: BertConfig sizes. ``tiny`` is the default (2 CPU ranks, ~1.5M parameters); ``micro`` is for tests.
+PRESETS = {
+    "micro": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
+    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+}
+MAX_POSITIONS = 512  # BERT's position table; rows beyond --seq-len are masked (see momentum_masks)
+
+# Settings a checkpoint must share with the run that resumes it (the world size may change).
+RESUME_KEYS = ("corpus", "limit_chars", "vocab_size", "seq_len", "model", "batch_size", "steps", "lr_warmup",
+               "min_lr_ratio", "seed", "momentum_mask", "param_groups")
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=str(HERE / "configs" / "onebit_gloo.json"),
+                   help="DeepSpeed-style JSON/YAML config with an 'optimizer' section (OneBitAdam)")
+    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, checkpoint.pt, summary.json")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps (the learning-rate schedule spans them)")
+    p.add_argument("--freeze-step", type=int, default=None, help="override the config's freeze_step")
+    p.add_argument("--lr", type=float, default=None, help="override the config's (peak) lr")
+    p.add_argument("--comm-backend", default=None, help="override the config's comm_backend_name (gloo, nccl, mpi, ...)")
+    p.add_argument("--lr-warmup", type=int, default=None, help="linear lr warmup steps (default: 5%% of --steps)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of the peak lr")
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="BertConfig size preset")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention implementation")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (<= 512)")
+    p.add_argument("--corpus", choices=bert_data.CORPORA, default="kjv")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--limit-chars", type=int, default=None, help="use only the first N characters of the corpus")
+    p.add_argument("--cache-dir", default=str(HERE / ".cache"), help="tokenizer and encoded-data cache")
+    p.add_argument("--param-groups", choices=["per-tensor", "decay"], default="per-tensor",
+                   help="per-tensor: one param group (hence one compression scale) per tensor; "
+                        "decay: two groups (with/without weight decay), one scale over each")
+    p.add_argument("--no-momentum-mask", dest="momentum_mask", action="store_false",
+                   help="do not mask the momentum of unused position-embedding rows")
+    p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (and at 0 and the end)")
+    p.add_argument("--log-every", type=int, default=10, help="train-loss record every N steps")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="save checkpoint.pt every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--no-exact-resume", dest="exact_resume", action="store_false",
+                   help="save no per-rank compression errors: --resume then resets them (as the paper does) instead "
+                        "of continuing bit for bit")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this step as if interrupted (the schedule still spans --steps); resume later")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", default="auto", help="'auto' (cuda with nccl/mpi when available, else cpu), 'cpu', 'cuda'")
+    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                   help="torch CPU threads per rank")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
+    args = p.parse_args(argv)
+    if args.lr_warmup is None:
+        args.lr_warmup = max(1, round(0.05 * args.steps))
+    if args.seq_len > MAX_POSITIONS:
+        p.error(f"--seq-len {args.seq_len} exceeds the {MAX_POSITIONS} positions of BERT")
+    return args
+
+
+def read_config(args: argparse.Namespace) -> dict:
+    """The config as a dict, with the command-line overrides applied to ``optimizer.params``."""
+    path = Path(args.config)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    else:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    config = copy.deepcopy(config)
+    params = config.setdefault("optimizer", {}).setdefault("params", {})
+    for key, value in (("freeze_step", args.freeze_step), ("lr", args.lr), ("comm_backend_name", args.comm_backend)):
+        if value is not None:
+            params[key] = value
+    return config
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _local_rank() -> int:
+    for var in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def init_ranks(backend_name: str | None, device_arg: str):
+    """Initialize the transport named in the config; return (CommBackend for the script's own
+    small collectives, device). torch.distributed names need ``torchrun`` (or RANK/WORLD_SIZE/
+    MASTER_ADDR/MASTER_PORT); a plain ``python pretrain.py`` runs as a single rank."""
+    from onebit.backends import resolve_backend
+
+    name = (backend_name or ("nccl" if torch.cuda.is_available() else "gloo")).lower()
+    if device_arg == "auto":
+        use_cuda = torch.cuda.is_available() and name != "gloo"
+        device = torch.device(f"cuda:{_local_rank()}" if use_cuda else "cpu")
+    else:
+        device = torch.device(device_arg)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device(f"cuda:{_local_rank()}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if name in ("gloo", "nccl", "hccl"):
+        import datetime
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if "WORLD_SIZE" not in os.environ:  # plain `python pretrain.py`: a group of one
+                os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            dist.init_process_group(name, timeout=datetime.timedelta(minutes=10))
+    return resolve_backend(name), device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def params_digest(model: torch.nn.Module) -> torch.Tensor:
+    """SHA-256 of every parameter's bytes, as 32 uint8 values."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+
+
+def params_in_sync(model: torch.nn.Module, world, device: torch.device) -> bool:
+    """True when every rank holds bit-identical parameters."""
+    digest = params_digest(model).to(device)
+    every = torch.empty(world.world_size, digest.numel(), dtype=torch.uint8, device=device)
+    world.all_gather(every, digest)
+    return bool((every == digest).all())
+
+
+# ----------------------------------------------------------------------------- model and optimizer
+
+
+def build_model(preset: str, vocab_size: int, attn: str):
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=vocab_size, max_position_embeddings=MAX_POSITIONS, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=bert_data.PAD_ID, attn_implementation=attn, **PRESETS[preset],
+    )
+    return BertForMaskedLM(config)
+
+
+def momentum_masks(model, seq_len: int) -> dict:
+    """Position-embedding rows ``>= seq_len`` (and the unused token-type row) never get a gradient,
+    so Adam's momentum there is exactly 0. One bit per element cannot send a 0, so without a mask
+    error feedback would keep those momenta (and then the rows) drifting; the mask pins them to 0."""
+    emb = model.bert.embeddings
+    positions = torch.ones_like(emb.position_embeddings.weight)
+    positions[seq_len:] = 0
+    token_types = torch.ones_like(emb.token_type_embeddings.weight)
+    token_types[1:] = 0
+    return {emb.position_embeddings.weight: positions, emb.token_type_embeddings.weight: token_types}
+
+
+def param_groups(model, per_tensor: bool = True) -> list[dict]:
+    """Weight decay on matrices only (BERT's convention): biases and LayerNorm get none.
+
+    ``per_tensor``: one group per parameter tensor. OnebitAdam compresses each group's momenta in
+    its own buckets with one scale per bucket, so this gives every tensor its own scale (as
+    DeepSpeed's fp32 path did). Under one scale, tensors whose momenta are orders of magnitude
+    below the rest (attention query/key weights while attention is near-uniform) come back as
+    +-scale and move by ``lr * scale / sqrt(v)``, far more than Adam would move them; see the
+    README. The price is 1 all-reduce per tensor per warmup step and 2 collectives per tensor per
+    compression step, instead of per bucket.
+    """
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() == 1 else decay).append(p)
+    if per_tensor:
+        return [{"params": [p]} for p in decay] + [{"params": [p], "weight_decay": 0.0} for p in no_decay]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(params, config: dict, masks: dict):
+    return onebit.from_config(params, config, momentum_masks=masks)
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if step <= warmup:
+        return step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def mlm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy on the masked positions only.
+
+    ``BertForMaskedLM(labels=...)`` computes vocabulary logits for *every* position and then
+    ignores 85% of them; on a small model that head is most of the step (see the README).
+    The blocks hold no padding, so no attention mask is built either.
+    """
+    hidden = model.bert(input_ids=input_ids).last_hidden_state
+    chosen = labels != -100
+    logits = model.cls(hidden[chosen])
+    return F.cross_entropy(logits.float(), labels[chosen], reduction=reduction)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def batch_indices(step: int, num_blocks: int, global_batch: int, seed: int) -> torch.Tensor:
+    """Rows of the global batch of ``step`` (1-based): a fresh permutation each epoch, a pure
+    function of (seed, step) so that a resumed run sees the same data as an uninterrupted one."""
+    per_epoch = num_blocks // global_batch
+    if per_epoch == 0:
+        raise ValueError(f"{num_blocks} training blocks are fewer than one global batch of {global_batch}")
+    epoch, position = divmod(step - 1, per_epoch)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return perm[position * global_batch:(position + 1) * global_batch]
+
+
+def train_batch(blocks: torch.Tensor, step: int, rank: int, world_size: int, batch_size: int, vocab_size: int, seed: int):
+    """This rank's shard of the global batch of ``step``, masked (dynamic masking, seeded by step and rank)."""
+    rows = batch_indices(step, blocks.shape[0], batch_size * world_size, seed)[rank * batch_size:(rank + 1) * batch_size]
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1024 + rank)
+    return bert_data.mask_tokens(blocks[rows], vocab_size, gen)
+
+
+@torch.no_grad()
+def evaluate(model, inputs: torch.Tensor, labels: torch.Tensor, world, device: torch.device, batch_size: int) -> float:
+    """Mean masked-token loss over the whole validation set (fixed masks), split across ranks."""
+    model.eval()
+    rows = torch.arange(world.rank, inputs.shape[0], world.world_size)
+    total = torch.zeros(2, dtype=torch.float32, device=device)
+    for start in range(0, rows.numel(), batch_size):
+        chunk = rows[start:start + batch_size]
+        x, y = inputs[chunk].to(device), labels[chunk].to(device)
+        total[0] += mlm_loss(model, x, y, reduction="sum").float()
+        total[1] += (y != -100).sum()
+    world.all_reduce_mean_(total)
+    model.train()
+    return float(total[0] / total[1])
+
+
+# ----------------------------------------------------------------------------- output
+
+
+class Metrics:
+    """JSON lines, written by rank 0 only. On resume, records past the checkpoint are dropped."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None) -> None:
+        self.path = path
+        self.enabled = enabled
+        if not enabled:
+            return
+        if resume_step is None:
+            path.write_text("")
+        elif path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, **record) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class _TqdmHandler(logging.StreamHandler):
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def setup_logging(rank: int) -> None:
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def check_resume_settings(saved: dict, args: argparse.Namespace) -> None:
+    """Raise if the checkpoint was written with other model, data or schedule settings."""
+    differ = {k: (saved.get(k), getattr(args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(args, k)}
+    if differ:
+        listed = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        raise ValueError(f"--resume with settings that differ from the checkpoint's ({listed}); use the same flags")
+
+
+def load_checkpoint(path: Path, args: argparse.Namespace, model, optimizer) -> dict:
+    """Restore model and optimizer from ``path`` (``onebit.load_checkpoint``); return the extras."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {path}; run without --resume first (same --out)")
+    extra = onebit.load_checkpoint(path, optimizer, model=model, exact_resume=args.exact_resume)
+    if not isinstance(extra, dict) or extra.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} was not written by this script (format {CHECKPOINT_FORMAT})")
+    check_resume_settings(extra["settings"], args)
+    return extra
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    config = read_config(args)
+    world, device = init_ranks(config["optimizer"]["params"].get("comm_backend_name"), args.device)
+    rank, world_size = world.rank, world.world_size
+    setup_logging(rank)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Data: rank 0 prepares (a newly trained vocabulary differs from run to run), the others wait.
+    data_kwargs = dict(seq_len=args.seq_len, vocab_size=args.vocab_size, limit_chars=args.limit_chars, cache_dir=args.cache_dir)
+    if rank == 0:
+        data = bert_data.prepare_data(args.corpus, **data_kwargs)
+    world.barrier()
+    if rank != 0:
+        data = bert_data.prepare_data(args.corpus, **data_kwargs)
+    val_inputs, val_labels = bert_data.mask_tokens(data.val, data.vocab_size, torch.Generator().manual_seed(args.seed + 1))
+
+    torch.manual_seed(args.seed)  # the same initialization on every rank (checked below)
+    model = build_model(args.model, data.vocab_size, args.attn).to(device)
+    masks = momentum_masks(model, args.seq_len) if args.momentum_mask else {}
+    optimizer = build_optimizer(param_groups(model, args.param_groups == "per-tensor"), config, masks)
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+
+    ckpt_path = out / "checkpoint.pt"
+    start, offset_bytes, offset_s = 0, {"warmup": 0, "compression": 0}, 0.0
+    if args.resume:
+        state = load_checkpoint(ckpt_path, args, model, optimizer)
+        start, offset_bytes, offset_s = state["step"], state["bytes_sent"], state["elapsed_s"]
+        logger.info("resumed from %s at step %d", ckpt_path, start)
+    if not params_in_sync(model, world, device):
+        raise RuntimeError("ranks start from different parameters; check that every rank runs the same code and versions")
+
+    num_params = sum(p.numel() for p in model.parameters())
+    metrics = Metrics(out / "metrics.jsonl", rank == 0, start if args.resume else None)
+    settings = {k: getattr(args, k) for k in RESUME_KEYS}
+    metrics.write(event="start", step=start, world_size=world_size, num_params=num_params, device=str(device),
+                  backend=world.name, config=config, settings=settings, resumed=bool(args.resume),
+                  train_blocks=data.train.shape[0], val_blocks=data.val.shape[0])
+    logger.info("%s: %.2fM parameters, %d ranks (%s, %s), %d train / %d val blocks of %d tokens, freeze_step %d",
+                args.model, num_params / 1e6, world_size, world.name, device, data.train.shape[0], data.val.shape[0],
+                args.seq_len, optimizer.freeze_step)
+
+    def bytes_sent() -> dict:
+        stats = optimizer.comm_stats()
+        return {phase: offset_bytes[phase] + stats[phase]["bytes_sent"] for phase in offset_bytes}
+
+    def elapsed() -> float:
+        return offset_s + time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    if start == 0:
+        metrics.write(event="eval", step=0, val_loss=evaluate(model, val_inputs, val_labels, world, device, 2 * args.batch_size))
+    stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    bar = None
+    if rank == 0 and args.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, desc=f"{Path(args.config).stem} x{world_size}", unit="step",
+                   dynamic_ncols=True)
+    loss_sum, window_start, window_steps = torch.zeros(1, device=device), time.perf_counter(), 0
+    tokens_per_step = args.batch_size * args.seq_len * world_size
+    for step in range(start + 1, stop + 1):
+        factor = lr_factor(step, args.steps, args.lr_warmup, args.min_lr_ratio)
+        for group, base in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = base * factor
+        phase = optimizer.phase
+        x, y = train_batch(data.train, step, rank, world_size, args.batch_size, data.vocab_size, args.seed)
+        loss = mlm_loss(model, x.to(device), y.to(device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach()
+        window_steps += 1
+
+        if step % args.log_every == 0 or step == stop:
+            world.all_reduce_mean_(loss_sum)
+            now = time.perf_counter()
+            tps = tokens_per_step * window_steps / (now - window_start)
+            sent = bytes_sent()
+            record = dict(event="train", step=step, loss=float(loss_sum) / window_steps, lr=base_lrs[0] * factor, phase=phase,
+                          tokens_per_s=tps, bytes_sent=sent["warmup"] + sent["compression"],
+                          step_bytes=optimizer.comm_stats()["last_step"]["bytes_sent"], elapsed_s=elapsed())
+            metrics.write(**record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}", phase=phase,
+                                sent=f"{record['bytes_sent'] / 2**20:,.1f}MiB", refresh=False)
+            loss_sum.zero_()
+            window_start, window_steps = time.perf_counter(), 0
+        if step % args.eval_every == 0 and step != args.steps:
+            metrics.write(event="eval", step=step, val_loss=evaluate(model, val_inputs, val_labels, world, device,
+                                                                     2 * args.batch_size))
+        if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == stop:
+            # Every rank calls it: rank 0 writes the file (atomically); unless --no-exact-resume,
+            # each rank also writes its compression errors to checkpoint.pt.rank<r>.
+            onebit.save_checkpoint(ckpt_path, optimizer, model=model, exact_resume=args.exact_resume, extra=dict(
+                format=CHECKPOINT_FORMAT, step=step, bytes_sent=bytes_sent(), elapsed_s=elapsed(), settings=settings))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    summary = {"step": stop, "finished": stop == args.steps, "wall_s": elapsed(), "world_size": world_size,
+               "backend": world.name, "num_params": num_params, "freeze_step": optimizer.freeze_step,
+               "bytes_sent": bytes_sent(), "comm_stats": optimizer.comm_stats()}
+    if stop == args.steps:
+        summary["final_val_loss"] = evaluate(model, val_inputs, val_labels, world, device, 2 * args.batch_size)
+        metrics.write(event="eval", step=stop, val_loss=summary["final_val_loss"])
+    summary["params_in_sync"] = params_in_sync(model, world, device)
+    metrics.write(event="end", **summary)
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        logger.info("done at step %d: %s", stop, ", ".join(
+            f"{k}={summary[k]:.4f}" for k in ("final_val_loss", "wall_s") if k in summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        train(parse_args(argv))
+    finally:
+        # Leaving a gloo process group to the interpreter's exit can abort the process
+        # ("terminate called without an active exception") after the work is done.
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
