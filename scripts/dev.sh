@@ -37,7 +37,7 @@ demo() {
     setup
     cd "$ROOT"
     export PATH="$VENV/bin:$PATH"
-    "$VENV/bin/python" examples/bert/compare.py --steps "${DEMO_STEPS:-800}" --out runs/demo --world-size 2 "$@"
+    "$VENV/bin/python" examples/bert/compare.py --steps "${DEMO_STEPS:-600}" --out runs/demo --world-size 2 "$@"
 }
 
 case "${1:-}" in
