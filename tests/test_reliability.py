@@ -147,38 +147,17 @@ def test_layout_mismatch_raises_the_same_error_on_every_rank(tmp_path):
     assert results[0]["unchanged"] and results[1]["unchanged"]
 
 
-def _dying_rank(rank, world_size, out_dir):
+def _peer_fails(rank, world_size, failure):
+    """Three steps on both ranks; then rank 1 dies ("exit") or stalls ("stuck") and rank 0 times
+    its next step, which must raise instead of hanging."""
     model = _model()
     opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="gloo")
     for step in range(1, 4):
         _backward(model, rank, step)
         opt.step()
     if rank == 1:
-        os._exit(0)  # a peer dies between steps, in the compression phase
-    _backward(model, rank, 4)
-    start = time.monotonic()
-    try:
-        opt.step()
-    except RuntimeError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start}
-
-
-def test_dead_peer_makes_the_survivor_raise_within_the_timeout(tmp_path):
-    results = run_ranks(_dying_rank, 2, tmp_path, str(tmp_path), timeout=90, collective_timeout=10,
-                        allow_missing=True)
-    assert results[1] is None
-    assert results[0]["error"] is not None
-    assert results[0]["seconds"] < 10 + 5
-
-
-def _stuck_rank(rank, world_size):
-    model = _model()
-    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="gloo")
-    for step in range(1, 4):
-        _backward(model, rank, step)
-        opt.step()
-    if rank == 1:
+        if failure == "exit":
+            os._exit(0)  # a peer dies between steps, in the compression phase
         time.sleep(8)  # alive but stuck: never joins the next step's collectives
         return {"error": None, "seconds": 0.0}
     _backward(model, rank, 4)
@@ -190,7 +169,14 @@ def _stuck_rank(rank, world_size):
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def test_dead_peer_makes_the_survivor_raise_within_the_timeout(tmp_path):
+    results = run_ranks(_peer_fails, 2, tmp_path, "exit", timeout=90, collective_timeout=10, allow_missing=True)
+    assert results[1] is None
+    assert results[0]["error"] is not None
+    assert results[0]["seconds"] < 10 + 5
+
+
 def test_stuck_peer_makes_the_other_rank_raise_after_the_process_group_timeout(tmp_path):
-    results = run_ranks(_stuck_rank, 2, tmp_path, timeout=90, collective_timeout=5)
+    results = run_ranks(_peer_fails, 2, tmp_path, "stuck", timeout=90, collective_timeout=5)
     assert results[0]["error"] is not None
     assert 4 <= results[0]["seconds"] < 5 + 5
