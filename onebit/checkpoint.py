@@ -137,7 +137,7 @@ def _validate(opt: OnebitAdam, sd: Any) -> tuple[int, int, list[dict[str, Any]],
     return step, freeze_step, hypers, loaded
 
 
-def load_state_dict(opt: OnebitAdam, sd: Any) -> None:
+def load_state_dict(opt: OnebitAdam, sd: Any, *, log: bool = True) -> None:
     step, freeze_step, hypers, loaded = _validate(opt, sd)
     # Validation is complete: from here on nothing can fail half-way on the user's input.
     index = 0
@@ -152,7 +152,7 @@ def load_state_dict(opt: OnebitAdam, sd: Any) -> None:
     if freeze_step != opt.freeze_step:
         logger.info("onebit: freeze_step %d restored from the checkpoint (was %d)", freeze_step, opt.freeze_step)
     opt.freeze_step = freeze_step
-    opt._restore_after_load(step)
+    opt._restore_after_load(step, log=log)
 
 
 # ----------------------------------------------------------------------------- files
@@ -274,11 +274,18 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitAdam, *, model: to
     # Everything is checked: apply.
     if model is not None:
         model.load_state_dict(payload["model"])
-    load_state_dict(optimizer, sd)
+    load_state_dict(optimizer, sd, log=False)
     if errors is not None:
         for (worker, server), (w, s) in zip(optimizer._compression_errors(), errors):
             worker.copy_(w)
             server.copy_(s)
-    elif exact_resume and backend.rank == 0:
-        logger.info("onebit: exact resume not possible (%s); compression errors were reset", reason)
+    if backend.rank == 0:
+        step = sd["onebit"]["step"]
+        if errors is not None:
+            logger.info("onebit: loaded %s at step %d; compression errors restored (exact resume)", path, step)
+        elif exact_resume:
+            logger.info("onebit: loaded %s at step %d; exact resume not possible (%s); compression errors reset",
+                        path, step, reason)
+        else:
+            logger.info("onebit: loaded %s at step %d; compression errors reset", path, step)
     return payload.get("extra")

@@ -492,8 +492,9 @@ class OnebitAdam(torch.optim.Optimizer):
                 bucket.frozen_mask = bucket.mask
             bucket.frozen_mask_ready = True
         if self._backend.rank == 0:
+            what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
             logger.info(
-                "onebit: step %d: variance frozen, switching to 1-bit compressed momentum%s", t,
+                "onebit: step %d: %s 1-bit compressed momentum%s", t, what,
                 f"; {zero} coordinates with zero variance keep a zero momentum" if zero else "",
             )
 
@@ -568,7 +569,7 @@ class OnebitAdam(torch.optim.Optimizer):
         compression errors (they are rank-local; the paper shows a reset does not hurt)."""
         checkpoint.load_state_dict(self, state_dict)
 
-    def _restore_after_load(self, step: int) -> None:
+    def _restore_after_load(self, step: int, *, log: bool = True) -> None:
         self._step = step
         for bucket in self._buckets:
             if bucket.mask is not None:
@@ -576,7 +577,7 @@ class OnebitAdam(torch.optim.Optimizer):
             bucket.frozen_mask, bucket.frozen_mask_ready = None, False
             bucket.denominator = None
         self.reset_compression_errors()
-        if self._backend.rank == 0:
+        if log and self._backend.rank == 0:
             logger.info(
                 "onebit: loaded optimizer state at step %d (%s phase); compression errors reset", step, self.phase
             )

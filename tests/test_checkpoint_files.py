@@ -156,3 +156,19 @@ def test_fallback_is_logged_once(tmp_path, caplog):
         load_checkpoint(tmp_path / "ckpt.pt", opt, model=model, exact_resume=True)
     assert sum("exact resume not possible" in r.message for r in caplog.records) == 1
     assert onebit.__version__
+
+
+def test_exact_resume_logs_restored_not_reset(tmp_path, caplog):
+    model, opt = _local()
+    _train(model, opt, 0, range(4))
+    save_checkpoint(tmp_path / "ckpt.pt", opt, model=model, exact_resume=True)
+    model2, opt2 = _local()
+    with caplog.at_level(logging.INFO, logger="onebit"):
+        load_checkpoint(tmp_path / "ckpt.pt", opt2, model=model2, exact_resume=True)
+        _train(model2, opt2, 0, range(4, 5))
+    messages = [r.message for r in caplog.records]
+    assert sum("compression errors restored (exact resume)" in m for m in messages) == 1
+    assert not any("errors reset" in m for m in messages)
+    assert any("resuming with 1-bit compressed momentum" in m for m in messages)
+    assert not any("switching to" in m for m in messages)
+    assert opt2.comm_stats()["worker_error_norm"] > 0
