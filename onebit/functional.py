@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["adam_moments_", "momentum_", "adam_direction_", "bias_corrections"]
+__all__ = ["adam_moments_", "momentum_", "adam_denominator_", "adam_direction_", "bias_corrections"]
 
 
 def adam_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float) -> None:
@@ -40,14 +40,19 @@ def bias_corrections(step: int, variance_step: int, beta1: float, beta2: float, 
     return 1.0 - beta1**step, 1.0 - beta2**variance_step
 
 
+def adam_denominator_(out: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float, bc2: float = 1.0) -> torch.Tensor:
+    """``out = sqrt(v / bc2) + eps`` (computed as ``sqrt(v) / sqrt(bc2) + eps``), written into ``out``."""
+    torch.sqrt(exp_avg_sq, out=out)
+    if bc2 != 1.0:
+        out.div_(bc2**0.5)
+    return out.add_(eps)
+
+
 def adam_direction_(
     out: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float, bc1: float = 1.0, bc2: float = 1.0
 ) -> torch.Tensor:
     """``out = (m / bc1) / (sqrt(v / bc2) + eps)``, written into ``out``."""
-    torch.sqrt(exp_avg_sq, out=out)
-    if bc2 != 1.0:
-        out.div_(bc2**0.5)
-    out.add_(eps)
+    adam_denominator_(out, exp_avg_sq, eps, bc2)
     torch.div(exp_avg, out, out=out)
     if bc1 != 1.0:
         out.div_(bc1)

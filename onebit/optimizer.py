@@ -549,10 +549,8 @@ class OnebitAdam(torch.optim.Optimizer):
     def _frozen_denominator(bucket: _Bucket, eps: float, bc2: float) -> torch.Tensor:
         key = (eps, bc2)
         if bucket.denominator is None or bucket.denominator_key != key:
-            bucket.denominator = torch.sqrt(bucket.exp_avg_sq[:bucket.numel])
-            if bc2 != 1.0:
-                bucket.denominator.div_(bc2**0.5)
-            bucket.denominator.add_(eps)
+            v = bucket.exp_avg_sq[:bucket.numel]
+            bucket.denominator = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
             bucket.denominator_key = key
         return bucket.denominator
 
