@@ -26,6 +26,12 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 5, generator=gen), torch.randn(16, 2, generator=gen)
 
 
+def _backward(model, step: int) -> None:
+    x, y = _batch(step)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
 def _train(model, opt, steps: int, start: int = 0) -> list[float]:
     losses = []
     for step in range(start, start + steps):
@@ -67,12 +73,9 @@ def test_warmup_matches_deepspeed_numerics():
     opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=50, weight_decay=0.1, comm_backend_name="local")
     ref = DeepSpeedAdam(ref_model.parameters(), 1e-2, (0.9, 0.999), 1e-8, 0.1)
     for step in range(10):
-        x, y = _batch(step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        _backward(model, step)
         opt.step()
-        ref_model.zero_grad()
-        torch.nn.functional.mse_loss(ref_model(x), y).backward()
+        _backward(ref_model, step)
         ref.step([p.grad for p in ref_model.parameters()])
         for a, b in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -156,12 +159,9 @@ def test_param_groups_use_their_own_lr_and_weight_decay():
     rfirst, rrest = list(ref_model.parameters())[:2], list(ref_model.parameters())[2:]
     ref = [DeepSpeedAdam(rfirst, 1e-1, (0.9, 0.999), 1e-8, 0.5), DeepSpeedAdam(rrest, 1e-2, (0.9, 0.999), 1e-8, 0.0)]
     for step in range(4):
-        x, y = _batch(step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        _backward(model, step)
         opt.step()
-        ref_model.zero_grad()
-        torch.nn.functional.mse_loss(ref_model(x), y).backward()
+        _backward(ref_model, step)
         ref[0].step([p.grad for p in rfirst])
         ref[1].step([p.grad for p in rrest])
     for a, b in zip(model.parameters(), ref_model.parameters()):
