@@ -82,8 +82,8 @@ def profile_where() -> dict[str, str]:
         "codec_server": _where(cpu.CpuKernels.server_compress_) + " (fused C++)",
         "codec_decode": _where(cpu.CpuKernels.decode_) + " (fused C++)",
         "comm": _where(collectives.compressed_allreduce_) + ": all_to_all + all_gather; the finiteness flag all-reduce",
-        "rest": (_where(OnebitAdam._bucket_update) + " and _step_buckets: division by the denominator, mask, "
-                 "parameter update, bookkeeping"),
+        "rest": (_where(OnebitAdam._compressed_update)
+                 + " and _step_buckets: mask, parameter update (division by the denominator), bookkeeping"),
     }
     if hasattr(OnebitAdam, "_all_finite"):
         where["finite_check"] = _where(OnebitAdam._all_finite)

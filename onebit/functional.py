@@ -13,20 +13,30 @@ with ``bc1 = bc2 = 1`` without bias correction.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["adam_moments_", "momentum_", "adam_denominator_", "adam_direction_", "bias_corrections"]
 
 
 def adam_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float) -> None:
-    """Warmup: update both moments with the (averaged) gradient."""
-    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    """Warmup: update both moments with the (averaged) gradient. The momentum is a ``lerp``
+    towards the gradient (one pass, as in ``torch.optim.Adam``), equal to ``beta1 * m + (1 - beta1) * g``
+    up to rounding."""
+    exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
 
-def momentum_(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> None:
-    """Compression: update the momentum with the local gradient; the variance stays frozen."""
-    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+def momentum_(exp_avgs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], beta1: float) -> None:
+    """Compression: update each momentum with its local gradient (``None``: a zero gradient), in
+    one pass over each; the variance stays frozen. Same rounding as :func:`adam_moments_`."""
+    present = [(m, g) for m, g in zip(exp_avgs, grads, strict=True) if g is not None]
+    if present:
+        torch._foreach_lerp_([m for m, _ in present], [g for _, g in present], 1 - beta1)
+    absent = [m for m, g in zip(exp_avgs, grads) if g is None]
+    if absent:
+        torch._foreach_mul_(absent, beta1)
 
 
 def bias_corrections(step: int, variance_step: int, beta1: float, beta2: float, enabled: bool) -> tuple[float, float]:

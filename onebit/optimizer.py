@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["OnebitAdam"]
 
 DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
+# Zeroing k scattered coordinates costs about what a dense pass over 32k does (index_fill_ vs mul_,
+# measured on one CPU core): a bucket whose momentum mask has more zeros than 1/32 uses a dense mask.
+_DENSE_MASK_RATIO = 32
 
 
 class _Bucket:
@@ -41,11 +44,14 @@ class _Bucket:
         self.grad = torch.zeros(self.padded, **kwargs)
         self.update = torch.zeros(self.numel, **kwargs)
         self.mask: torch.Tensor | None = None  # the user's momentum mask (1 keep, 0 zero)
-        # In compression: the user's mask and 0 where the frozen variance is 0 (None: all ones).
-        # Derived from exp_avg_sq when compression starts or state is loaded; None until then.
-        self.frozen_mask: torch.Tensor | None = None
+        # In compression: where the momentum is kept 0 (the user's mask, and where the frozen
+        # variance is 0), or None: the indices when they are few (applying them costs what they
+        # hold), else a dense 0/1 float mask (one pass). Derived from exp_avg_sq when compression
+        # starts or state is loaded.
+        self.frozen_zeros: torch.Tensor | None = None
+        self.frozen_keep: torch.Tensor | None = None
         self.frozen_mask_ready = False
-        # In compression: sqrt(v / bc2) + eps of the frozen variance, for (eps, bc2) = the key.
+        # In compression: sqrt(v / bc2) + eps of the frozen variance, for the key (eps, bc2).
         self.denominator: torch.Tensor | None = None
         self.denominator_key: tuple[float, float] | None = None
         self.same_dtype = all(p.dtype == torch.float32 for p in params)
@@ -71,6 +77,11 @@ def _check_number(name: str, value: Any, *, low: float = 0.0, high: float | None
 def _check_group_hyperparameters(group: Mapping[str, Any]) -> None:
     _check_number("lr", group["lr"])
     _check_number("eps", group["eps"])
+    if group["eps"] == 0:
+        raise ValueError(
+            "invalid eps: 0; it must be > 0: a coordinate whose gradient has been 0 has m = v = 0, and "
+            "its update m / (sqrt(v) + eps) would be 0 / 0 = NaN (use e.g. eps=1e-8)"
+        )
     _check_number("weight_decay", group["weight_decay"])
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -431,20 +442,32 @@ class OnebitAdam(torch.optim.Optimizer):
         if inv_scale is not None:
             grad.mul_(inv_scale.to(grad.device))
 
+    def _grads_of(self, bucket: _Bucket, compressing: bool, inv_scale: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """The gradients this step reads, one per parameter (None: no gradient, i.e. zero).
+
+        In compression the momentum is updated straight from the parameters' ``.grad`` tensors
+        when they are float32 and need no unscaling: nothing else reads a flat copy there. Else
+        (warmup, where the flat buffer is all-reduced; GradScaler; other dtypes) they are gathered
+        into the bucket's flat buffer and this returns views of it."""
+        direct = compressing and bucket.compression is not None and inv_scale is None
+        if direct and all(p.grad is None or p.grad.dtype == torch.float32 for p in bucket.params):
+            return [p.grad for p in bucket.params]
+        self._gather_grads(bucket, inv_scale)
+        return bucket.views(bucket.grad)
+
     def _step_buckets(self, compressing: bool) -> bool:
         """Run one step over all buckets; return False when it was skipped for non-finite grads."""
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         found_inf = getattr(self, "found_inf", None)
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        for bucket in self._buckets:
-            self._gather_grads(bucket, inv_scale)
+        grads = [self._grads_of(bucket, compressing, inv_scale) for bucket in self._buckets]
         t = self._step + 1
         # Ranks agree on finiteness before anything changes. Full-precision all-reduces carry a NaN
         # or inf to every rank by themselves; compressed buckets use one scalar all-reduce instead.
         local_bad = found_inf is not None and bool(found_inf.item() > 0)
         compressed = [b for b in self._buckets if compressing and b.compression is not None]
         if compressed:
-            local_bad = local_bad or not self._all_finite(self._buckets)
+            local_bad = local_bad or not self._all_finite(grads)
             flag = torch.tensor([float(local_bad)], device=compressed[0].device)
             self._backend.all_reduce_mean_(flag)
             bad_ranks = round(flag.item() * self._backend.world_size)
@@ -452,27 +475,32 @@ class OnebitAdam(torch.optim.Optimizer):
             if bucket not in compressed and not (self._warmup_grads_averaged and not compressing):
                 self._backend.all_reduce_mean_(bucket.grad[:bucket.numel])
         if not compressed:
-            averaged_bad = not self._all_finite(self._buckets)
+            averaged_bad = not self._all_finite(grads)
             bad_ranks = int(averaged_bad or local_bad)
         if bad_ranks:
             return self._nonfinite(t, bad_ranks, bool(compressed))
         if compressed and not all(b.frozen_mask_ready for b in compressed):
             self._freeze_masks(compressed, t)
-        for bucket in self._buckets:
-            self._bucket_update(bucket, self.param_groups[bucket.group_index], t, bucket in compressed)
+        for bucket, bucket_grads in zip(self._buckets, grads):
+            group = self.param_groups[bucket.group_index]
+            if bucket in compressed:
+                self._compressed_update(bucket, bucket_grads, group, t)
+            else:
+                self._full_precision_update(bucket, group, t)
         self._step = t
         return True
 
     @staticmethod
-    def _all_finite(buckets: list[_Bucket]) -> bool:
-        """Whether every gathered gradient is finite: one read-only pass per bucket. The sum is
-        NaN or inf when an element is; when it overflowed from finite values only, the exact
-        element-wise check decides."""
-        for b in buckets:
-            grad = b.grad[:b.numel]
-            if not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):
-                return False
-        return True
+    def _all_finite(grads: list[list[torch.Tensor | None]]) -> bool:
+        """Whether every gradient is finite: one read-only pass. A sum is NaN or inf when an
+        element is; when it overflowed from finite values only, the exact element-wise check decides."""
+        present = [g for bucket_grads in grads for g in bucket_grads if g is not None]
+        if not present:
+            return True
+        sums = torch.stack([g.sum() for g in present])
+        if bool(torch.isfinite(sums).all()):
+            return True
+        return all(bool(torch.isfinite(g).all()) for g, s in zip(present, sums) if not torch.isfinite(s))
 
     def _freeze_masks(self, buckets: list[_Bucket], t: int) -> None:
         """At the switch to compression (or the first compression step after a load): where the
@@ -481,16 +509,18 @@ class OnebitAdam(torch.optim.Optimizer):
         zero = 0
         for bucket in buckets:
             n = bucket.numel
-            dead = bucket.exp_avg_sq[:n] == 0
-            count = int(dead.sum())
-            if count:
-                frozen = bucket.mask.clone() if bucket.mask is not None else torch.ones_like(bucket.exp_avg)
-                frozen[:n].masked_fill_(dead, 0.0)
-                bucket.frozen_mask = frozen
-                zero += count
-            else:
-                bucket.frozen_mask = bucket.mask
+            keep = bucket.exp_avg_sq[:n] != 0
+            dead = n - int(keep.sum())
+            if bucket.mask is not None:
+                keep &= bucket.mask[:n] != 0
+            zeros = n - int(keep.sum())
+            bucket.frozen_zeros = bucket.frozen_keep = None
+            if zeros * _DENSE_MASK_RATIO > n:
+                bucket.frozen_keep = keep.to(torch.float32)
+            elif zeros:
+                bucket.frozen_zeros = torch.nonzero(~keep).flatten()
             bucket.frozen_mask_ready = True
+            zero += dead
         if self._backend.rank == 0:
             what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
             logger.info(
@@ -509,30 +539,16 @@ class OnebitAdam(torch.optim.Optimizer):
             logger.debug("onebit: step %d skipped on every rank: non-finite gradients %s", t, where)
         return False
 
-    def _bucket_update(self, bucket: _Bucket, group: dict[str, Any], t: int, compressing: bool) -> None:
+    def _full_precision_update(self, bucket: _Bucket, group: dict[str, Any], t: int) -> None:
+        """Adam on the bucket's (averaged) flat gradient: warmup, and ``compress=False`` groups."""
         n = bucket.numel
         beta1, beta2 = group["betas"]
-        grad = bucket.grad[:n]
-        m, v = bucket.exp_avg, bucket.exp_avg_sq
-        if compressing:
-            F.momentum_(m[:n], grad, beta1)
-            compressed_allreduce_(m, bucket.compression, self._backend, self._kernels[bucket.device])
-            m[n:].zero_()
-            variance_step = self.freeze_step
-        else:
-            F.adam_moments_(m[:n], v[:n], grad, beta1, beta2)
-            variance_step = t
-        mask = bucket.frozen_mask if compressing else bucket.mask
-        if mask is not None:
-            m.mul_(mask)
-        bc1, bc2 = F.bias_corrections(t, variance_step, beta1, beta2, group["bias_correction"])
-        if compressing:
-            # The variance is frozen, so is sqrt(v / bc2) + eps: computed once, then one division.
-            torch.div(m[:n], self._frozen_denominator(bucket, group["eps"], bc2), out=bucket.update)
-            if bc1 != 1.0:
-                bucket.update.div_(bc1)
-        else:
-            F.adam_direction_(bucket.update, m[:n], v[:n], group["eps"], bc1, bc2)
+        m, v = bucket.exp_avg[:n], bucket.exp_avg_sq[:n]
+        F.adam_moments_(m, v, bucket.grad[:n], beta1, beta2)
+        if bucket.mask is not None:
+            m.mul_(bucket.mask[:n])
+        bc1, bc2 = F.bias_corrections(t, t, beta1, beta2, group["bias_correction"])
+        F.adam_direction_(bucket.update, m, v, group["eps"], bc1, bc2)
         updates = bucket.views(bucket.update)
         params = bucket.params
         if bucket.same_dtype:
@@ -544,6 +560,38 @@ class OnebitAdam(torch.optim.Optimizer):
             if group["weight_decay"] != 0:
                 u.add_(p, alpha=group["weight_decay"])
             p.add_(u.to(p.dtype), alpha=-group["lr"])
+
+    def _compressed_update(self, bucket: _Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
+        """Momentum from the local gradients, its 1-bit average, and the update with the frozen
+        variance: ``p <- p * (1 - lr * wd) - lr * (m / bc1) / denominator``."""
+        n = bucket.numel
+        beta1, beta2 = group["betas"]
+        m = bucket.exp_avg
+        momenta = bucket.views(m)
+        F.momentum_(momenta, grads, beta1)
+        compressed_allreduce_(m, bucket.compression, self._backend, self._kernels[bucket.device])
+        m[n:].zero_()
+        if bucket.frozen_keep is not None:
+            m[:n].mul_(bucket.frozen_keep)
+        elif bucket.frozen_zeros is not None:
+            m.index_fill_(0, bucket.frozen_zeros, 0.0)
+        bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
+        # The variance is frozen, so is the denominator: computed once, then one fused pass.
+        denominators = bucket.views(self._frozen_denominator(bucket, group["eps"], bc2))
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        params = bucket.params
+        if bucket.same_dtype:
+            if weight_decay != 0:
+                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+            torch._foreach_addcdiv_(params, momenta, denominators, value=-lr / bc1)
+            return
+        for p, mom, d in zip(params, momenta, denominators):
+            u = torch.div(mom, d)
+            if bc1 != 1.0:
+                u.div_(bc1)
+            if weight_decay != 0:
+                u.add_(p, alpha=weight_decay)
+            p.add_(u.to(p.dtype), alpha=-lr)
 
     @staticmethod
     def _frozen_denominator(bucket: _Bucket, eps: float, bc2: float) -> torch.Tensor:
@@ -572,7 +620,8 @@ class OnebitAdam(torch.optim.Optimizer):
         for bucket in self._buckets:
             if bucket.mask is not None:
                 bucket.exp_avg.mul_(bucket.mask)
-            bucket.frozen_mask, bucket.frozen_mask_ready = None, False
+            bucket.frozen_zeros = bucket.frozen_keep = None
+            bucket.frozen_mask_ready = False
             bucket.denominator = None
         self.reset_compression_errors()
         if log and self._backend.rank == 0:

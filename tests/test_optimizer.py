@@ -388,6 +388,7 @@ def _p():
         (dict(lr=float("nan")), ValueError, r"invalid lr: nan"),
         (dict(lr="0.1"), TypeError, r"lr must be a real number, got '0.1'"),
         (dict(eps=-1e-8), ValueError, r"invalid eps: -1e-08"),
+        (dict(eps=0.0), ValueError, r"invalid eps: 0; it must be > 0"),
         (dict(weight_decay=-0.1), ValueError, r"invalid weight_decay: -0.1"),
         (dict(betas=(1.0, 0.999)), ValueError, r"invalid betas\[0\]: 1.0"),
         (dict(betas=(0.9, -0.1)), ValueError, r"invalid betas\[1\]: -0.1"),
@@ -472,25 +473,69 @@ def test_single_process_default_is_local():
     assert math.isclose(opt.comm_stats()["worker_error_norm"], 0.0)
 
 
-def test_zero_variance_coordinates_do_not_explode_after_the_freeze(caplog):
+@pytest.mark.parametrize("dead", [1, 16])  # of 64: kept as indices / as a dense mask
+def test_zero_variance_coordinates_do_not_explode_after_the_freeze(caplog, dead):
     """A coordinate with no gradient during warmup (a dead ReLU unit, an unused embedding row) has
     a frozen variance of 0; a 1-bit momentum cannot be 0, so m / (sqrt(v) + eps) would be
-    +-scale / 1e-8. Such coordinates keep a zero momentum instead, and say so in the log."""
-    p = torch.nn.Parameter(torch.ones(16))
+    +-scale / 1e-8. Such coordinates keep a zero momentum and do not move, and the log says how many."""
+    p = torch.nn.Parameter(torch.ones(64))
     opt = OnebitAdam([p], lr=1e-2, freeze_step=3, comm_backend_name="local")
     gen = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.INFO, logger="onebit"):
         for step in range(8):
-            g = torch.randn(16, generator=gen)
+            g = torch.randn(64, generator=gen)
             if step < 3:
-                g[:4] = 0.0
+                g[:dead] = 0.0
             p.grad = g
             opt.step()
-    assert torch.equal(p.detach()[:4], torch.ones(4))
-    assert torch.all(opt.state[p]["exp_avg"][:4] == 0)
-    assert (p.detach()[4:] - 1).abs().max() < 1.0  # the others moved by O(lr) per step
-    assert not torch.equal(p.detach()[4:], torch.ones(12))
-    assert any("4 coordinates with zero variance keep a zero momentum" in r.message for r in caplog.records)
+    assert (opt._buckets[0].frozen_keep is not None) == (dead == 16)  # both representations ran
+    assert torch.equal(p.detach()[:dead], torch.ones(dead))
+    assert torch.all(opt.state[p]["exp_avg"][:dead] == 0)
+    assert (p.detach()[dead:] - 1).abs().max() < 1.0  # the others moved by O(lr) per step
+    assert not torch.equal(p.detach()[dead:], torch.ones(64 - dead))
+    assert any(f"{dead} coordinates with zero variance keep a zero momentum" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("zeros", [1, 40])  # of 100: a sparse and a dense momentum mask
+def test_momentum_mask_in_compression_matches_an_unmasked_run_on_the_kept_coordinates(zeros):
+    """Whichever way the mask is held, masked coordinates keep m = 0 and do not move, and with
+    world size 1 (compression is the identity up to scale) the mask changes nothing else."""
+    p = torch.nn.Parameter(torch.ones(100))
+    mask = torch.ones(100)
+    mask[torch.randperm(100, generator=torch.Generator().manual_seed(1))[:zeros]] = 0
+    opt = OnebitAdam([p], lr=1e-2, freeze_step=2, comm_backend_name="local", momentum_masks={p: mask})
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        p.grad = torch.randn(100, generator=gen)
+        opt.step()
+        assert torch.all(opt.state[p]["exp_avg"][mask == 0] == 0)
+        assert torch.equal(p.detach()[mask == 0], torch.ones(zeros))
+    assert torch.all(p.detach()[mask == 1] != 1)
+
+
+def test_compression_reads_gradients_in_place_exactly_as_an_unscaled_copy():
+    """In compression the momentum is updated from ``p.grad`` directly; with a GradScaler the
+    gradients are first copied and unscaled. A power-of-two loss scale unscales exactly, so the
+    two paths must give bit-identical trajectories."""
+    results = []
+    for scale in (None, 2.0**10):
+        model = _model(tensors=2)
+        opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="local")
+        scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=10**6)
+        for step in range(6):
+            x, y = _batch(step)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert opt.phase == "compression" and opt.step_count == 6
+        results.append(_params(model))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_huge_finite_gradients_are_not_taken_for_an_overflow():
