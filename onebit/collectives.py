@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .backends.base import CommBackend
+from .backends.base import COMPLETED, CommBackend, Pending
 from .compression import chunk_bytes, padded_length, read_scales, row_bytes, write_scale_
 from .kernels import REFERENCE, KernelSet
 
-__all__ = ["CompressionState", "compressed_allreduce_"]
+__all__ = ["CompressionState", "compressed_allreduce_", "start_worker_", "start_server_", "finish_"]
 
 
 class CompressionState:
@@ -43,6 +43,8 @@ class CompressionState:
         self.recv = torch.zeros(n, row, dtype=torch.uint8, device=device)
         self.gather_in = torch.zeros(row, dtype=torch.uint8, device=device)
         self.gather_out = torch.zeros(n, row, dtype=torch.uint8, device=device)
+        self.pending: Pending = COMPLETED  # the collective of the stage in progress
+        self.stage = 0  # the last stage started: 0 none (or finished), 1 worker, 2 server
 
     def reset_errors_(self) -> None:
         """Zero both error-feedback buffers (after a checkpoint load or a change of layout)."""
@@ -57,7 +59,19 @@ def compressed_allreduce_(
     kernels: KernelSet = REFERENCE,
 ) -> torch.Tensor:
     """Replace ``buffer`` (flat float32, ``state.padded`` elements) by its compressed mean over
-    ranks, updating the error buffers in ``state``. Two collective calls. Returns ``buffer``."""
+    ranks, updating the error buffers in ``state``. Two collective calls. Returns ``buffer``.
+
+    The three stages below run it in pieces, so that several buffers can be pipelined (each
+    buffer's transfers overlap the codec work of the others): every rank calls
+    ``start_worker_`` for every buffer, then ``start_server_`` for every buffer, then ``finish_``
+    for every buffer, in the same buffer order."""
+    start_worker_(buffer, state, backend, kernels)
+    start_server_(state, backend, kernels)
+    return finish_(buffer, state, kernels)
+
+
+def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBackend, kernels: KernelSet) -> None:
+    """Stage 1: compress ``buffer`` with the worker error and start the all-to-all of its signs."""
     n = backend.world_size
     if n != state.world_size:
         raise ValueError(f"state was built for world size {state.world_size}, backend has {n}")
@@ -67,16 +81,37 @@ def compressed_allreduce_(
             f"{buffer.dtype} of shape {tuple(buffer.shape)}"
         )
     signs = chunk_bytes(state.padded, n)
-
     worker_scale = kernels.worker_compress_(buffer, state.worker_error, state.send[:, :signs])
     write_scale_(state.send, worker_scale)
-    backend.all_to_all(state.recv, state.send)
+    state.pending = backend.start_all_to_all(state.recv, state.send)
+    state.stage = 1
 
+
+def start_server_(state: CompressionState, backend: CommBackend, kernels: KernelSet) -> None:
+    """Stage 2: once this rank's chunk has arrived, average and recompress it with the server
+    error, and start the all-gather of the result."""
+    _expect_stage(state, 1, "start_server_", "start_worker_")
+    state.pending.wait()
+    signs = chunk_bytes(state.padded, state.world_size)
     server_scale = kernels.server_compress_(
         state.recv[:, :signs], read_scales(state.recv), state.server_error, state.gather_in[:signs]
     )
     write_scale_(state.gather_in.view(1, -1), server_scale)
-    backend.all_gather(state.gather_out, state.gather_in)
+    state.pending = backend.start_all_gather(state.gather_out, state.gather_in)
+    state.stage = 2
 
+
+def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet) -> torch.Tensor:
+    """Stage 3: once every server chunk has arrived, decode them into ``buffer``."""
+    _expect_stage(state, 2, "finish_", "start_server_")
+    state.pending.wait()
+    state.pending, state.stage = COMPLETED, 0
+    signs = chunk_bytes(state.padded, state.world_size)
     kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out), buffer)
     return buffer
+
+
+def _expect_stage(state: CompressionState, stage: int, name: str, previous: str) -> None:
+    if state.stage != stage:
+        done = {0: "no stage (or finish_)", 1: "start_worker_", 2: "start_server_"}[state.stage]
+        raise RuntimeError(f"{name} called on a buffer whose last stage was {done}; call {previous} first")

@@ -14,7 +14,7 @@ import torch
 from . import checkpoint
 from . import functional as F
 from .backends import CommBackend, resolve_backend
-from .collectives import CompressionState, compressed_allreduce_
+from .collectives import CompressionState, finish_, start_server_, start_worker_
 from .compression import padded_length
 from .kernels import get_kernels
 from .stats import PHASES, InstrumentedBackend, PhaseStats
@@ -481,12 +481,21 @@ class OnebitAdam(torch.optim.Optimizer):
             return self._nonfinite(t, bad_ranks, bool(compressed))
         if compressed and not all(b.frozen_mask_ready for b in compressed):
             self._freeze_masks(compressed, t)
+        # Compressed buckets are pipelined: each bucket's all-to-all and all-gather are in flight
+        # while the other buckets are compressed, recompressed and updated (same results as one
+        # bucket after the other; every rank starts the collectives in the same order).
         for bucket, bucket_grads in zip(self._buckets, grads):
-            group = self.param_groups[bucket.group_index]
             if bucket in compressed:
-                self._compressed_update(bucket, bucket_grads, group, t)
-            else:
-                self._full_precision_update(bucket, group, t)
+                F.momentum_(bucket.views(bucket.exp_avg), bucket_grads, self.param_groups[bucket.group_index]["betas"][0])
+                start_worker_(bucket.exp_avg, bucket.compression, self._backend, self._kernels[bucket.device])
+        for bucket in self._buckets:
+            if bucket not in compressed:
+                self._full_precision_update(bucket, self.param_groups[bucket.group_index], t)
+        for bucket in compressed:
+            start_server_(bucket.compression, self._backend, self._kernels[bucket.device])
+        for bucket in compressed:
+            finish_(bucket.exp_avg, bucket.compression, self._kernels[bucket.device])
+            self._compressed_update(bucket, self.param_groups[bucket.group_index], t)
         self._step = t
         return True
 
@@ -561,15 +570,13 @@ class OnebitAdam(torch.optim.Optimizer):
                 u.add_(p, alpha=group["weight_decay"])
             p.add_(u.to(p.dtype), alpha=-group["lr"])
 
-    def _compressed_update(self, bucket: _Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
-        """Momentum from the local gradients, its 1-bit average, and the update with the frozen
-        variance: ``p <- p * (1 - lr * wd) - lr * (m / bc1) / denominator``."""
+    def _compressed_update(self, bucket: _Bucket, group: dict[str, Any], t: int) -> None:
+        """After the 1-bit average of the momentum: its masks, and the update with the frozen
+        variance, ``p <- p * (1 - lr * wd) - lr * (m / bc1) / denominator``."""
         n = bucket.numel
         beta1, beta2 = group["betas"]
         m = bucket.exp_avg
         momenta = bucket.views(m)
-        F.momentum_(momenta, grads, beta1)
-        compressed_allreduce_(m, bucket.compression, self._backend, self._kernels[bucket.device])
         m[n:].zero_()
         if bucket.frozen_keep is not None:
             m[:n].mul_(bucket.frozen_keep)

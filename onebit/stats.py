@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .backends.base import CommBackend
+from .backends.base import CommBackend, Pending
 from .compression import allreduce_wire_bytes
 
 __all__ = ["PhaseStats", "InstrumentedBackend"]
@@ -36,11 +36,29 @@ class PhaseStats:
         return asdict(self)
 
 
+class _Timed:
+    """A collective in flight, recorded when it completes: its time is the time to start it plus
+    the time spent waiting for it (what the caller could not overlap)."""
+
+    def __init__(self, owner: InstrumentedBackend, handle: Pending, nbytes: int, seconds: float) -> None:
+        self._owner, self._nbytes, self._seconds = owner, nbytes, seconds
+        self._handle: Pending | None = handle
+
+    def wait(self) -> None:
+        if self._handle is None:
+            return
+        start = time.perf_counter()
+        self._handle.wait()
+        self._handle = None
+        self._owner._record(self._nbytes, self._seconds + time.perf_counter() - start)
+
+
 class InstrumentedBackend(CommBackend):
     """Wraps a transport and counts what passes through it, under the current ``phase``.
 
-    Owned by the optimizer; times are host wall-clock seconds around each call (on an
-    asynchronous device this is the time to enqueue, unless the transport itself waits).
+    Owned by the optimizer; times are host wall-clock seconds around each call, and for a started
+    collective its start plus its wait (on an asynchronous device this is the time to enqueue,
+    unless the transport itself waits).
     """
 
     def __init__(self, inner: CommBackend) -> None:
@@ -85,6 +103,18 @@ class InstrumentedBackend(CommBackend):
         nbytes = input.numel() * input.element_size() * (self.world_size - 1)
         self._record(nbytes, time.perf_counter() - start)
         return out
+
+    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        start = time.perf_counter()
+        handle = self.inner.start_all_to_all(output, input)
+        n = self.world_size
+        return _Timed(self, handle, input.numel() * input.element_size() * (n - 1) // n, time.perf_counter() - start)
+
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        start = time.perf_counter()
+        handle = self.inner.start_all_gather(output, input)
+        nbytes = input.numel() * input.element_size() * (self.world_size - 1)
+        return _Timed(self, handle, nbytes, time.perf_counter() - start)
 
     def barrier(self) -> None:
         self.inner.barrier()

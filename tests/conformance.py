@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from onebit import OnebitAdam
-from onebit.collectives import CompressionState, compressed_allreduce_
+from onebit.collectives import CompressionState, compressed_allreduce_, finish_, start_server_, start_worker_
 from onebit.compression import padded_length
+from onebit.kernels import REFERENCE
 from onebit.testing import simulate_compressed_allreduce
 
 SEED = 20210202
@@ -147,6 +148,31 @@ def check_compressed_allreduce_equals_the_oracle_exactly(backend, directory: Pat
     return outputs
 
 
+def check_pipelined_compressed_allreduces_equal_the_oracle_exactly(backend, directory: Path, world_size: int) -> None:
+    """Three buffers in flight at once (every all-to-all started before any server stage, every
+    all-gather before any decode), as OnebitAdam runs its buckets: each equals its own oracle."""
+    n, rank = backend.world_size, backend.rank
+    sizes = (NUMEL, 37, 3 * NUMEL)
+    states = [CompressionState(padded_length(size, n), n, "cpu") for size in sizes]
+    inputs = [compressed_inputs(n, numel=size) for size in sizes]
+    errors = [(None, None)] * len(sizes)
+    for t in range(ROUNDS):
+        buffers = []
+        for k, (size, state) in enumerate(zip(sizes, states)):
+            buffers.append(torch.zeros(state.padded))
+            buffers[k][:size] = inputs[k][t][rank]
+            start_worker_(buffers[k], state, backend, REFERENCE)
+        for state in states:
+            start_server_(state, backend, REFERENCE)
+        for k, (size, state) in enumerate(zip(sizes, states)):
+            finish_(buffers[k], state, REFERENCE)
+            sim = simulate_compressed_allreduce(inputs[k][t], *errors[k])
+            errors[k] = (sim.worker_errors, sim.server_errors)
+            assert torch.equal(buffers[k][:size], sim.output), f"round {t}, buffer {k}: output differs from the oracle"
+            assert torch.equal(state.worker_error, sim.worker_errors[rank]), f"round {t}, buffer {k}: worker error"
+            assert torch.equal(state.server_error, sim.server_errors[rank]), f"round {t}, buffer {k}: server error"
+
+
 def onebit_adam_trajectory(backend, steps: int = 8, freeze_step: int = 3) -> dict:
     """A short OnebitAdam run (warmup, then compression) on rank-specific data; returns the final
     parameters and losses of this rank. Same initial parameters on every rank; the parameter
@@ -198,6 +224,7 @@ CHECKS = {
         check_all_gather_stacks_inputs_in_rank_order,
         check_barrier_waits_for_every_rank,
         check_compressed_allreduce_equals_the_oracle_exactly,
+        check_pipelined_compressed_allreduces_equal_the_oracle_exactly,
         check_onebit_adam_keeps_parameters_identical_on_every_rank,
     )
 }

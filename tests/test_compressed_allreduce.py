@@ -98,3 +98,25 @@ def test_error_feedback_keeps_the_running_sum_honest():
     # Relative deviation of the running sum: below 2 % with feedback; without it the bias is large.
     assert deviation / total_true.norm().item() < 0.02
     assert (total_no_feedback - total_true).norm().item() > 10 * deviation
+
+
+def test_pipeline_stages_out_of_order_raise_and_leave_the_errors_alone():
+    from onebit.backends import LocalBackend
+    from onebit.collectives import finish_, start_server_, start_worker_
+    from onebit.kernels import REFERENCE
+
+    backend, state = LocalBackend(), CompressionState(8, 1, "cpu")
+    buffer = torch.arange(8, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="last stage was no stage .*; call start_worker_ first"):
+        start_server_(state, backend, REFERENCE)
+    with pytest.raises(RuntimeError, match="call start_server_ first"):
+        finish_(buffer, state, REFERENCE)
+    assert torch.equal(state.worker_error, torch.zeros(8)) and torch.equal(state.server_error, torch.zeros(8))
+    start_worker_(buffer, state, backend, REFERENCE)
+    with pytest.raises(RuntimeError, match="last stage was start_worker_; call start_server_ first"):
+        finish_(buffer, state, REFERENCE)
+    start_server_(state, backend, REFERENCE)
+    finish_(buffer, state, REFERENCE)
+    expected = torch.arange(8, dtype=torch.float32)
+    compressed_allreduce_(expected, CompressionState(8, 1, "cpu"), backend)
+    assert torch.equal(buffer, expected)

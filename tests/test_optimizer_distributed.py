@@ -36,11 +36,13 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def simulate(world_size, steps, freeze_step, start=None):
-    """The whole optimizer for ``world_size`` simulated ranks, from the maths (one bucket)."""
+def simulate(world_size, steps, freeze_step, start=None, buckets=None):
+    """The whole optimizer for ``world_size`` simulated ranks, from the maths. ``buckets``: the
+    ``(begin, end)`` ranges of the flat parameter vector compressed separately (default: one)."""
     model = _model()
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
+    buckets = buckets or [(0, numel)]
     mask = torch.cat([_mask(model).reshape(-1), torch.ones(numel - _mask(model).numel())])
     m, v, first = torch.zeros(numel), torch.zeros(numel), 0
     if start is not None:
@@ -50,7 +52,7 @@ def simulate(world_size, steps, freeze_step, start=None):
         m = _flat(start["state"][i]["exp_avg"] for i in range(len(params)))
         v = _flat(start["state"][i]["exp_avg_sq"] for i in range(len(params)))
         first = start["step"]
-    worker_errors = server_errors = None
+    errors = [(None, None)] * len(buckets)
     snapshots = []
     b1, b2 = BETAS
     for t in range(first + 1, first + steps + 1):
@@ -64,8 +66,12 @@ def simulate(world_size, steps, freeze_step, start=None):
             v = b2 * v + (1 - b2) * g * g
         else:
             local = [b1 * m + (1 - b1) * g for g in grads]
-            sim = simulate_compressed_allreduce(local, worker_errors, server_errors)
-            worker_errors, server_errors, m = sim.worker_errors, sim.server_errors, sim.output
+            pieces = []
+            for k, (begin, end) in enumerate(buckets):
+                sim = simulate_compressed_allreduce([x[begin:end] for x in local], *errors[k])
+                errors[k] = (sim.worker_errors, sim.server_errors)
+                pieces.append(sim.output)
+            m = torch.cat(pieces)
         m = m * mask
         with torch.no_grad():
             p_flat = _flat(params)
@@ -78,10 +84,12 @@ def simulate(world_size, steps, freeze_step, start=None):
     return snapshots
 
 
-def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkpoint_out=None):
+def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkpoint_out=None,
+                bucket_size=2**24):
     model = _model()
     opt = OnebitAdam(model.parameters(), lr=LR, freeze_step=freeze_step, betas=BETAS, eps=EPS, weight_decay=WD,
-                     comm_backend_name="gloo", momentum_masks={model[0].weight: _mask(model)})
+                     comm_backend_name="gloo", momentum_masks={model[0].weight: _mask(model)},
+                     bucket_size=bucket_size)
     first = 0
     if checkpoint_in is not None:
         saved = torch.load(checkpoint_in)
@@ -100,14 +108,19 @@ def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkp
         sd = opt.state_dict()
         torch.save({"params": snapshots[-1], "optimizer": sd, "step": sd["onebit"]["step"],
                     "state": sd["state"]}, checkpoint_out)
-    return {"snapshots": snapshots, "masked_zero": masked_zero, "phase": opt.phase, "stats": opt.comm_stats()}
+    return {"snapshots": snapshots, "masked_zero": masked_zero, "phase": opt.phase, "stats": opt.comm_stats(),
+            "buckets": [b.numel for b in opt._buckets]}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_trajectory_matches_simulation_in_both_phases(tmp_path, world_size):
+@pytest.mark.parametrize("world_size,bucket_size", [(2, 2**24), (3, 2**24), (2, 30)])
+def test_trajectory_matches_simulation_in_both_phases(tmp_path, world_size, bucket_size):
+    """bucket_size 30 makes 3 buckets (48 | 8 | 24 + 3 elements), pipelined in compression."""
     steps, freeze_step = 8, 3
-    results = run_ranks(_train_rank, world_size, tmp_path, steps, freeze_step)
-    expected = simulate(world_size, steps, freeze_step)
+    results = run_ranks(_train_rank, world_size, tmp_path, steps, freeze_step, None, None, bucket_size)
+    offsets = [0, 48, 56, 83]
+    buckets = [(0, 83)] if bucket_size == 2**24 else list(zip(offsets, offsets[1:]))
+    assert [end - begin for begin, end in buckets] == results[0]["buckets"]
+    expected = simulate(world_size, steps, freeze_step, buckets=buckets)
     for t in range(steps):
         for rank in range(world_size):
             # Parameters are bit-identical on every rank, with no broadcast.
@@ -137,6 +150,14 @@ class CountingBackend(TorchDistBackend):
     def all_gather(self, output, input):
         self.calls += 1
         return super().all_gather(output, input)
+
+    def start_all_to_all(self, output, input):
+        self.calls += 1
+        return super().start_all_to_all(output, input)
+
+    def start_all_gather(self, output, input):
+        self.calls += 1
+        return super().start_all_gather(output, input)
 
 
 def _count_rank(rank, world_size):

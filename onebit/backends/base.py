@@ -7,10 +7,26 @@ must call the same methods in the same order with tensors of the same shapes and
 from __future__ import annotations
 
 import abc
+from typing import Protocol
 
 import torch
 
-__all__ = ["CommBackend"]
+__all__ = ["CommBackend", "Pending", "COMPLETED"]
+
+
+class Pending(Protocol):
+    """A collective in flight: ``wait()`` returns once its output is complete."""
+
+    def wait(self) -> object: ...
+
+
+class _Completed:
+    def wait(self) -> None:
+        return None
+
+
+#: the handle of a collective that already ran to completion
+COMPLETED: Pending = _Completed()
 
 
 class CommBackend(abc.ABC):
@@ -45,6 +61,19 @@ class CommBackend(abc.ABC):
     @abc.abstractmethod
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         """``output`` (shape ``(n, *input.shape)``) receives ``input`` of every rank, rank order."""
+
+    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        """Begin :meth:`all_to_all` and return its handle; ``output`` holds the result after the
+        handle's ``wait()``, and neither tensor may be touched before. Every rank starts its
+        collectives in the same order. Transports that can overlap the transfer with computation
+        override this; the default runs the collective now."""
+        self.all_to_all(output, input)
+        return COMPLETED
+
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        """Begin :meth:`all_gather`; as :meth:`start_all_to_all`."""
+        self.all_gather(output, input)
+        return COMPLETED
 
     @abc.abstractmethod
     def barrier(self) -> None:

@@ -1,14 +1,15 @@
 """Transport over MPI through mpi4py: no torch.distributed needed.
 
-Only MPI's own collectives (``Allreduce``, ``Alltoall``, ``Allgather``, ``Barrier``) on one
-communicator. Where the bytes live decides how they reach MPI:
+Only MPI's own collectives (``Allreduce``, ``Alltoall``, ``Allgather``, ``Barrier``, and the
+nonblocking ``Ialltoall``/``Iallgather`` that let the compressed all-reduce of one bucket overlap
+the codec of the next) on one communicator. Where the bytes live decides how they reach MPI:
 
 * **CPU tensors** go to MPI as zero-copy numpy views of their memory.
 * **Device tensors, ``cuda_aware=True``**: CUDA buffers are handed to MPI directly (mpi4py reads
   DLPack / ``__cuda_array_interface__``), after the stream that produced them is synchronized.
   The MPI library must be CUDA-aware (e.g. Open MPI built with UCX/CUDA, MVAPICH2-GDR).
 * **Device tensors, ``cuda_aware=False``**: staged through pinned host buffers (allocated once per
-  size and reused), then copied back to the device.
+  size and reused), then copied back to the device; their collectives are never left in flight.
 
 mpi4py is imported when the backend is built, never at ``import onebit``.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import CommBackend
+from .base import COMPLETED, CommBackend, Pending
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,18 @@ def check_not_a_stray_singleton(world_size: int, environ: Mapping[str, str]) -> 
             f"WORLD_SIZE={launched}: launch with  mpiexec -n {launched} python -m mpi4py script.py, "
             "or keep torchrun and use comm_backend_name='gloo' or 'nccl'"
         )
+
+
+class _Request:
+    """An MPI request and the buffers it reads and writes, kept alive until it completes."""
+
+    def __init__(self, request: Any, buffers: tuple[Any, ...]) -> None:
+        self._request = request
+        self._buffers = buffers
+
+    def wait(self) -> None:
+        self._request.Wait()
+        self._buffers = ()
 
 
 class MPIBackend(CommBackend):
@@ -198,7 +211,7 @@ class MPIBackend(CommBackend):
         # SUM then divide in torch, exactly as the torch.distributed backend does.
         return tensor.div_(self._world_size)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    def _check_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self._check(output, "all_to_all output")
         self._check(input, "all_to_all input")
         n = self._world_size
@@ -207,9 +220,8 @@ class MPIBackend(CommBackend):
                 f"all_to_all needs input and output of the same dtype and shape (world_size={n}, ...), got "
                 f"input {input.dtype} {tuple(input.shape)} and output {output.dtype} {tuple(output.shape)}"
             )
-        return self._exchange(self._comm.Alltoall, output, input)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    def _check_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self._check(output, "all_gather output")
         self._check(input, "all_gather input")
         n = self._world_size
@@ -218,7 +230,31 @@ class MPIBackend(CommBackend):
                 f"all_gather needs output of shape (world_size={n}, *input.shape) and the input's dtype, got "
                 f"input {input.dtype} {tuple(input.shape)} and output {output.dtype} {tuple(output.shape)}"
             )
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        self._check_all_to_all(output, input)
+        return self._exchange(self._comm.Alltoall, output, input)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        self._check_all_gather(output, input)
         return self._exchange(self._comm.Allgather, output, input)
+
+    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        self._check_all_to_all(output, input)
+        return self._start(self._comm.Ialltoall, self._comm.Alltoall, output, input)
+
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        self._check_all_gather(output, input)
+        return self._start(self._comm.Iallgather, self._comm.Allgather, output, input)
+
+    def _start(self, icollective: Any, collective: Any, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        """A nonblocking collective on buffers MPI can use directly; staged tensors share the host
+        staging buffers, so their collective runs to completion now."""
+        if output.numel() == 0 or not (self._direct(input) and self._direct(output)):
+            self._exchange(collective, output, input)
+            return COMPLETED
+        send, recv = self._bytes(input), self._bytes(output)
+        return _Request(icollective(send, recv), (send, recv))
 
     def _exchange(self, collective: Any, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         """Run a byte-moving collective (any dtype travels as its bytes)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import CommBackend
+from .base import CommBackend, Pending
 
 __all__ = ["TorchDistBackend"]
 
@@ -70,10 +70,19 @@ class TorchDistBackend(CommBackend):
         return output
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-        # Some process groups (gloo) want the output as a concatenation along dim 0, not a stack.
-        flat_out = output.view(output.shape[0] * output.shape[1], *output.shape[2:]) if output.dim() > 1 else output
-        _all_gather_single(flat_out, input, group=self._group)
+        _all_gather_single(self._concatenated(output), input, group=self._group)
         return output
+
+    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        return dist.all_to_all_single(output, input, group=self._group, async_op=True)
+
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        return _all_gather_single(self._concatenated(output), input, group=self._group, async_op=True)
+
+    @staticmethod
+    def _concatenated(output: torch.Tensor) -> torch.Tensor:
+        """Some process groups (gloo) want an all-gather's output as a concatenation along dim 0, not a stack."""
+        return output.view(output.shape[0] * output.shape[1], *output.shape[2:]) if output.dim() > 1 else output
 
     def barrier(self) -> None:
         dist.barrier(group=self._group)
