@@ -185,14 +185,16 @@ ONEBIT_HD void onebit_server_pack_body(onebit_i64 t, const onebit_u8* signs, one
 }
 
 // Thread t decodes byte t of the (nrows, row_bytes) signs (rows sign_stride apart) into
-// out[8t .. 8t+7] with its row's scale.
+// out[8t .. 8t+7] with its row's scale; where bit (7 - j) of keep[t] is clear (keep not null),
+// out is +0.0 instead.
 ONEBIT_HD void onebit_decode_body(onebit_i64 t, const onebit_u8* signs, onebit_i64 sign_stride, onebit_i64 row_bytes,
-                                  const float* scales, onebit_i64 nbytes, float* out) {
+                                  const float* scales, const onebit_u8* keep, onebit_i64 nbytes, float* out) {
     if (t >= nbytes) return;
     const onebit_i64 r = t / row_bytes;
     const int byte = signs[r * sign_stride + t % row_bytes];
+    const int kept = keep ? keep[t] : 0xff;
     const float s = scales[r];
-    for (int j = 0; j < 8; ++j) out[t * 8 + j] = ((byte >> (7 - j)) & 1) ? s : -s;
+    for (int j = 0; j < 8; ++j) out[t * 8 + j] = ((kept >> (7 - j)) & 1) ? (((byte >> (7 - j)) & 1) ? s : -s) : 0.0f;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -232,5 +234,5 @@ ONEBIT_KERNEL(onebit_server_pack,
               (signs, sign_stride, scales, nrows, e, nbytes, scale, packed, row_len, row_stride))
 ONEBIT_KERNEL(onebit_decode,
               (const onebit_u8* signs, onebit_i64 sign_stride, onebit_i64 row_bytes, const float* scales,
-               onebit_i64 nbytes, float* out),
-              (signs, sign_stride, row_bytes, scales, nbytes, out))
+               const onebit_u8* keep, onebit_i64 nbytes, float* out),
+              (signs, sign_stride, row_bytes, scales, keep, nbytes, out))

@@ -101,13 +101,18 @@ def start_server_(state: CompressionState, backend: CommBackend, kernels: Kernel
     state.stage = 2
 
 
-def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet) -> torch.Tensor:
-    """Stage 3: once every server chunk has arrived, decode them into ``buffer``."""
+def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 3: once every server chunk has arrived, decode them into ``buffer`` (``+0.0`` where
+    the packed bits ``keep``, if given, are clear: see :func:`onebit.kernels.reference.decode_`)."""
     _expect_stage(state, 2, "finish_", "start_server_")
     state.pending.wait()
     state.pending, state.stage = COMPLETED, 0
     signs = chunk_bytes(state.padded, state.world_size)
-    kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out), buffer)
+    if keep is None:
+        kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out), buffer)
+    else:
+        kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out), buffer, keep)
     return buffer
 
 

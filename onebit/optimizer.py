@@ -17,6 +17,7 @@ from .backends import CommBackend, resolve_backend
 from .collectives import CompressionState, finish_, start_server_, start_worker_
 from .compression import padded_length
 from .kernels import get_kernels
+from .kernels.reference import pack_signs
 from .stats import PHASES, InstrumentedBackend, PhaseStats
 
 logger = logging.getLogger(__name__)
@@ -24,9 +25,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["OnebitAdam"]
 
 DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
-# Zeroing k scattered coordinates costs about what a dense pass over 32k does (index_fill_ vs mul_,
-# measured on one CPU core): a bucket whose momentum mask has more zeros than 1/32 uses a dense mask.
-_DENSE_MASK_RATIO = 32
+# Zeroing k scattered coordinates (index_fill_: 6.5 ns each) costs about what the decode's extra
+# read of a packed mask over 1000 k coordinates does (0.14 ms per 25M; one CPU core): a bucket
+# whose momentum mask has more zeros than 1/RATIO of its length hands the mask to the decode.
+_DENSE_MASK_RATIO = 1024
 
 
 class _Bucket:
@@ -46,8 +48,8 @@ class _Bucket:
         self.mask: torch.Tensor | None = None  # the user's momentum mask (1 keep, 0 zero)
         # In compression: where the momentum is kept 0 (the user's mask, and where the frozen
         # variance is 0), or None: the indices when they are few (applying them costs what they
-        # hold), else a dense 0/1 float mask (one pass). Derived from exp_avg_sq when compression
-        # starts or state is loaded.
+        # hold), else packed bits over the padded buffer (set = keep) that the decode applies in
+        # its own pass. Derived from exp_avg_sq when compression starts or state is loaded.
         self.frozen_zeros: torch.Tensor | None = None
         self.frozen_keep: torch.Tensor | None = None
         self.frozen_mask_ready = False
@@ -494,7 +496,7 @@ class OnebitAdam(torch.optim.Optimizer):
         for bucket in compressed:
             start_server_(bucket.compression, self._backend, self._kernels[bucket.device])
         for bucket in compressed:
-            finish_(bucket.exp_avg, bucket.compression, self._kernels[bucket.device])
+            finish_(bucket.exp_avg, bucket.compression, self._kernels[bucket.device], bucket.frozen_keep)
             self._compressed_update(bucket, self.param_groups[bucket.group_index], t)
         self._step = t
         return True
@@ -525,7 +527,9 @@ class OnebitAdam(torch.optim.Optimizer):
             zeros = n - int(keep.sum())
             bucket.frozen_zeros = bucket.frozen_keep = None
             if zeros * _DENSE_MASK_RATIO > n:
-                bucket.frozen_keep = keep.to(torch.float32)
+                signs = torch.full((bucket.padded,), -1.0, device=bucket.device)
+                signs[:n].masked_fill_(keep, 1.0)
+                bucket.frozen_keep = pack_signs(signs)
             elif zeros:
                 bucket.frozen_zeros = torch.nonzero(~keep).flatten()
             bucket.frozen_mask_ready = True
@@ -577,11 +581,10 @@ class OnebitAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         m = bucket.exp_avg
         momenta = bucket.views(m)
-        m[n:].zero_()
-        if bucket.frozen_keep is not None:
-            m[:n].mul_(bucket.frozen_keep)
-        elif bucket.frozen_zeros is not None:
-            m.index_fill_(0, bucket.frozen_zeros, 0.0)
+        if bucket.frozen_keep is None:  # else the decode zeroed the masked coordinates and the padding
+            m[n:].zero_()
+            if bucket.frozen_zeros is not None:
+                m.index_fill_(0, bucket.frozen_zeros, 0.0)
         bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
         # The variance is frozen, so is the denominator: computed once, then one fused pass.
         denominators = bucket.views(self._frozen_denominator(bucket, group["eps"], bc2))

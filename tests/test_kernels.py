@@ -231,6 +231,15 @@ def test_decode_matches_reference(implementations, name, n, ranks):
     reference.decode_(gathered[:, :cols], scales, expected)
     impl.decode_(gathered[:, :cols], scales, got)
     assert_bitwise_equal(got, expected, "decoded output")
+    # With a packed keep mask: +0.0 where its bit is clear, the same values elsewhere.
+    keep = torch.randint(0, 256, (ranks * cols,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    masked_expected, masked_got = torch.full_like(expected, 7.0), torch.full_like(got, 7.0)
+    reference.decode_(gathered[:, :cols], scales, masked_expected, keep)
+    impl.decode_(gathered[:, :cols], scales, masked_got, keep)
+    assert_bitwise_equal(masked_got, masked_expected, "decoded output with a keep mask")
+    cleared = reference.unpack_signs(keep) < 0
+    assert torch.equal(masked_expected[~cleared], expected[~cleared])
+    assert torch.all(masked_expected[cleared].view(torch.int32) == 0)  # +0.0, not -0.0
 
 
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)

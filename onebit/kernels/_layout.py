@@ -87,8 +87,14 @@ def check_server(signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
     return n
 
 
-def check_decode(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, device_type: str) -> None:
+def check_decode(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, device_type: str,
+                 keep: torch.Tensor | None = None) -> None:
     """Validate decode arguments."""
+    if keep is not None:
+        _require(keep.dtype == torch.uint8 and keep.is_contiguous() and keep.numel() * 8 == out.numel()
+                 and keep.device == out.device,
+                 f"decode_: keep must be contiguous packed uint8 bits, {out.numel() // 8} bytes on {out.device}, got "
+                 f"{keep.dtype} with {keep.numel()} elements on {keep.device}")
     _require(signs.dim() == 2 and signs.dtype == torch.uint8,
              f"decode_: signs must be a 2-d uint8 tensor (n, L/8), got {signs.dtype} {tuple(signs.shape)}")
     nrows, cols = signs.shape

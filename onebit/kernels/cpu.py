@@ -145,7 +145,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64,
                                       _c_ptr, _c_int]
     lib.onebit_cpu_server.restype = None
-    lib.onebit_cpu_decode.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_int]
+    lib.onebit_cpu_decode.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
     lib.onebit_cpu_decode.restype = None
     return lib
 
@@ -197,13 +197,15 @@ class CpuKernels:
             error.copy_(es.view(error.shape))
         return scale
 
-    def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        check_decode(signs, scales, out, "cpu")
+    def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        check_decode(signs, scales, out, "cpu", keep)
         rows = byte_rows(signs, output=False)
         sc = flat_float(scales)
         dst = flat_float(out)
         self.lib.onebit_cpu_decode(rows.tensor.data_ptr(), signs.shape[0], rows.row_stride, signs.shape[1],
-                                   sc.data_ptr(), dst.data_ptr(), torch.get_num_threads())
+                                   sc.data_ptr(), None if keep is None else keep.data_ptr(), dst.data_ptr(),
+                                   torch.get_num_threads())
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out

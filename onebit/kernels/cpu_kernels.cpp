@@ -200,9 +200,12 @@ void pack_scalar(const Src& src, float* e, float s, int64_t b0, int64_t count, u
     }
 }
 
-void decode_scalar(const uint8_t* in, int64_t count, float s, float* out) {
-    for (int64_t k = 0; k < count; ++k)
-        for (int j = 0; j < 8; ++j) out[k * 8 + j] = signed_value(s, in[k], j);
+// keep (may be null): where bit (7 - j) of keep[k] is clear, out[k * 8 + j] is +0.0 instead.
+void decode_scalar(const uint8_t* in, int64_t count, float s, const uint8_t* keep, float* out) {
+    for (int64_t k = 0; k < count; ++k) {
+        const unsigned kept = keep ? keep[k] : 0xffu;
+        for (int j = 0; j < 8; ++j) out[k * 8 + j] = ((kept >> (7 - j)) & 1u) ? signed_value(s, in[k], j) : 0.0f;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -335,17 +338,39 @@ ONEBIT_AVX2 void pack_avx2(const Src& src, float* e, float s, int64_t b0, int64_
 
 // Streaming stores skip reading the output's cache lines first; used for outputs far larger than
 // the caches, which would be evicted before they are read again anyway.
-ONEBIT_AVX2 void decode_avx2(const uint8_t* in, int64_t count, float s, float* out, bool stream) {
+// All-ones lanes where bit (7 - j) of `byte` is set, zero lanes elsewhere.
+ONEBIT_AVX2 inline __m256 bit_lanes(unsigned byte) {
+    const __m256i bits = _mm256_set_epi32(1, 2, 4, 8, 16, 32, 64, 128);  // lane 0 = MSB
+    const __m256i b = _mm256_set1_epi32(static_cast<int>(byte));
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, bits), bits));
+}
+
+template <bool kMasked>
+ONEBIT_AVX2 inline __m256 decoded(__m256 ps, const uint8_t* in, const uint8_t* keep, int64_t k) {
+    const __m256 v = signed_scale(ps, in[k]);
+    return kMasked ? _mm256_and_ps(v, bit_lanes(keep[k])) : v;  // cleared lanes: +0.0
+}
+
+template <bool kMasked>
+ONEBIT_AVX2 void decode_avx2_impl(const uint8_t* in, int64_t count, float s, const uint8_t* keep, float* out,
+                                  bool stream) {
     const __m256 ps = _mm256_set1_ps(s);
     int64_t k = 0;
     if (stream) {
         for (; k < count && (reinterpret_cast<uintptr_t>(out + 8 * k) & 31) != 0; ++k)
-            _mm256_storeu_ps(out + 8 * k, signed_scale(ps, in[k]));
-        for (; k < count; ++k) _mm256_stream_ps(out + 8 * k, signed_scale(ps, in[k]));
+            _mm256_storeu_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, k));
+        for (; k < count; ++k) _mm256_stream_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, k));
         _mm_sfence();
         return;
     }
-    for (; k < count; ++k) _mm256_storeu_ps(out + 8 * k, signed_scale(ps, in[k]));
+    for (; k < count; ++k) _mm256_storeu_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, k));
+}
+
+ONEBIT_AVX2 void decode_avx2(const uint8_t* in, int64_t count, float s, const uint8_t* keep, float* out, bool stream) {
+    if (keep)
+        decode_avx2_impl<true>(in, count, s, keep, out, stream);
+    else
+        decode_avx2_impl<false>(in, count, s, keep, out, stream);
 }
 #else
 bool cpu_has_avx2() { return false; }
@@ -468,9 +493,10 @@ ONEBIT_EXPORT void onebit_cpu_server(const uint8_t* signs, int64_t nrows, int64_
     *scale_out = s;
 }
 
-// Decode: out[(r * row_bytes + k) * 8 + j] = +-scales[r] from bit (7 - j) of byte k of row r.
+// Decode: out[(r * row_bytes + k) * 8 + j] = +-scales[r] from bit (7 - j) of byte k of row r, or
+// +0.0 where keep (packed bits over out, may be null) has that bit clear.
 ONEBIT_EXPORT void onebit_cpu_decode(const uint8_t* signs, int64_t nrows, int64_t sign_stride, int64_t row_bytes,
-                                     const float* scales, float* out, int threads) {
+                                     const float* scales, const uint8_t* keep, float* out, int threads) {
     const int64_t total = nrows * row_bytes;
     const int t = clamp_threads(threads, total * 8);
     const ByteRows rows{const_cast<uint8_t*>(signs), row_bytes, sign_stride};
@@ -480,15 +506,16 @@ ONEBIT_EXPORT void onebit_cpu_decode(const uint8_t* signs, int64_t nrows, int64_
         for_each_run(rows, lo, hi, [&](int64_t b0, int64_t count, uint8_t* in) {
             const float s = scales[b0 / row_bytes];
             float* o = out + b0 * 8;
+            const uint8_t* kp = keep ? keep + b0 : nullptr;
 #if ONEBIT_X86
             if (avx2) {
-                decode_avx2(in, count, s, o, stream);
+                decode_avx2(in, count, s, kp, o, stream);
                 return;
             }
 #endif
             (void)avx2;
             (void)stream;
-            decode_scalar(in, count, s, o);
+            decode_scalar(in, count, s, kp, o);
         });
     });
 }

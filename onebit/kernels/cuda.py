@@ -127,12 +127,13 @@ class CudaCodec:
             error.copy_(es.view(error.shape))
         return scale
 
-    def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        check_decode(signs, scales, out, self.device_type)
+    def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        check_decode(signs, scales, out, self.device_type, keep)
         rows = byte_rows(signs, output=False)
         sc, dst = flat_float(scales), flat_float(out)
         nbytes = signs.shape[0] * signs.shape[1]
-        self.launch("onebit_decode", nbytes, rows.tensor, rows.row_stride, signs.shape[1], sc, nbytes, dst)
+        self.launch("onebit_decode", nbytes, rows.tensor, rows.row_stride, signs.shape[1], sc, keep, nbytes, dst)
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out

@@ -94,9 +94,15 @@ def server_compress_(
     return scale
 
 
-def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[j*L:(j+1)*L] = scales[j] * q_j`` for the ``(n, L/8)`` packed ``signs``."""
+def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[j*L:(j+1)*L] = scales[j] * q_j`` for the ``(n, L/8)`` packed ``signs``.
+
+    ``keep`` (optional): ``out.numel() / 8`` bytes of packed bits in the same order as ``out``
+    (MSB first); where a bit is clear the output is ``+0.0`` (a momentum mask, applied in the
+    same pass)."""
     n = signs.shape[0]
     values = unpack_signs(signs).view(n, -1)
     torch.mul(values, scales.view(n, 1), out=out.view(n, -1))
+    if keep is not None:
+        out.view(-1).masked_fill_(unpack_signs(keep.reshape(-1)) < 0, 0.0)
     return out
