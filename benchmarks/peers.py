@@ -11,7 +11,9 @@ order rotated by ``r``), so that a change of load on the machine hits every conf
 * ``onebit_compression``: ``OnebitAdam`` in its compression phase (``kernels='auto'``);
 * ``onebit_ddp_compression`` (optional): DDP + ``attach_ddp`` + OnebitAdam in compression;
 * ``onebit_ddp_nosync_compression`` (optional): the same, with backward run under
-  ``ddp.no_sync()`` in the compression phase (DDP then neither copies nor hooks the gradients).
+  ``ddp.no_sync()`` in the compression phase (DDP then neither copies nor hooks the gradients);
+* ``onebit_ddp_view_compression`` (optional): DDP with ``gradient_as_bucket_view=True`` +
+  ``attach_ddp`` (the gradients live in DDP's buckets, so there is nothing to copy back).
 
 Each step is timed from a barrier to the end of ``optimizer.step()``, split into forward+backward
 (which includes DDP's overlapped all-reduce) and the optimizer step. When ``ONEBIT_BENCH_IFNAME``
@@ -50,7 +52,8 @@ from onebit.integrations import attach_ddp
 from onebit.kernels import KernelSet
 
 DEFAULT_CONFIGS = ("adam", "powersgd1", "powersgd4", "onebit_warmup", "onebit_compression")
-ALL_CONFIGS = DEFAULT_CONFIGS + ("onebit_ddp_compression", "onebit_ddp_nosync_compression")
+ONEBIT_DDP_CONFIGS = ("onebit_ddp_compression", "onebit_ddp_nosync_compression", "onebit_ddp_view_compression")
+ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS
 COUNTER_FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
 
 
@@ -139,11 +142,11 @@ class Config:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
         elif name == "onebit_warmup":
             self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=10**9, comm_backend_name="gloo")
-        elif name in ("onebit_compression", "onebit_ddp_compression", "onebit_ddp_nosync_compression"):
+        elif name in ("onebit_compression", *ONEBIT_DDP_CONFIGS):
             self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=2, comm_backend_name="gloo",
                                         kernels=args.kernels)
             if name != "onebit_compression":
-                self.forward = DDP(self.model)
+                self.forward = DDP(self.model, gradient_as_bucket_view=name == "onebit_ddp_view_compression")
                 attach_ddp(self.forward, self.optimizer)
                 self.no_sync = name == "onebit_ddp_nosync_compression"
             else:

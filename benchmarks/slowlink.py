@@ -54,6 +54,7 @@ LABELS = {
     "onebit_compression": "OnebitAdam compression",
     "onebit_ddp_compression": "DDP + attach_ddp + OnebitAdam compression",
     "onebit_ddp_nosync_compression": "DDP (no_sync) + attach_ddp + OnebitAdam compression",
+    "onebit_ddp_view_compression": "DDP (gradient_as_bucket_view) + attach_ddp + OnebitAdam compression",
 }
 
 

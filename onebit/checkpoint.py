@@ -241,7 +241,7 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitAdam, *, model: to
     payload = _read(path)
     if not isinstance(payload, Mapping) or payload.get("format") != _FILE_MARKER:
         _fail(f"{path} is not a onebit checkpoint file (save it with onebit.save_checkpoint)")
-    sd = payload["optimizer"]
+    sd = optimizer._run_load_pre_hooks(payload["optimizer"])
     _validate(optimizer, sd)
     if model is not None:
         saved = payload.get("model")
@@ -279,6 +279,7 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitAdam, *, model: to
         for (worker, server), (w, s) in zip(optimizer._compression_errors(), errors):
             worker.copy_(w)
             server.copy_(s)
+    optimizer._run_load_post_hooks()
     if backend.rank == 0:
         step = sd["onebit"]["step"]
         if errors is not None:

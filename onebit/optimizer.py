@@ -616,14 +616,36 @@ class OnebitAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """World-size independent state: step, ``exp_avg``/``exp_avg_sq`` per parameter (copies),
-        hyperparameters, a format version. Compression errors and masks are not saved."""
-        return checkpoint.build_state_dict(self)
+        hyperparameters, a format version. Compression errors and masks are not saved. Hooks
+        registered with ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = checkpoint.build_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` (from any world size). Validates everything before changing
         anything, never modifies ``state_dict``, restores the phase from the step, and resets the
-        compression errors (they are rank-local; the paper shows a reset does not hurt)."""
+        compression errors (they are rank-local; the paper shows a reset does not hurt). Hooks
+        registered with ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in torch."""
+        state_dict = self._run_load_pre_hooks(state_dict)
         checkpoint.load_state_dict(self, state_dict)
+        self._run_load_post_hooks()
+
+    def _run_load_pre_hooks(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _run_load_post_hooks(self) -> None:
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _restore_after_load(self, step: int, *, log: bool = True) -> None:
         self._step = step

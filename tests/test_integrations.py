@@ -34,7 +34,7 @@ def _run(rank, world_size, mode):
     if mode in ("ddp", "ddp_accumulate"):
         net = DDP(model)
         attach_ddp(net, opt)
-    snapshots = []
+    snapshots, synced = [], []
     for step in range(1, STEPS + 1):
         x, y = _batch(rank, step)
         opt.zero_grad()
@@ -49,7 +49,8 @@ def _run(rank, world_size, mode):
             _loss(net, x, y).backward()
         opt.step()
         snapshots.append([p.detach().clone() for p in model.parameters()])
-    return {"snapshots": snapshots, "stats": opt.comm_stats()}
+        synced.append(getattr(net, "require_backward_grad_sync", None))
+    return {"snapshots": snapshots, "stats": opt.comm_stats(), "synced": synced}
 
 
 def _max_diff(a, b) -> float:
@@ -67,6 +68,8 @@ def test_ddp_with_hook_equals_plain_onebit_in_both_phases(tmp_path):
     assert ddp[0]["stats"]["warmup"]["bytes_sent"] < plain[0]["stats"]["warmup"]["bytes_sent"] / 10
     # ... and compressed the momentum afterwards, as without DDP.
     assert ddp[0]["stats"]["compression"]["bytes_sent"] == plain[0]["stats"]["compression"]["bytes_sent"]
+    # DDP synchronizes gradients (copies them into its buckets) only before warmup steps.
+    assert ddp[0]["synced"] == [step < FREEZE for step in range(1, STEPS + 1)]
 
 
 @pytest.mark.parametrize("mode", ["accumulate", "ddp_accumulate"])
@@ -119,3 +122,28 @@ def test_amp_autocast_and_bf16_parameters_track_fp32(tmp_path):
 def test_attach_ddp_rejects_foreign_objects():
     with pytest.raises(TypeError, match="needs a DistributedDataParallel model, got Linear"):
         attach_ddp(torch.nn.Linear(2, 2), None)
+
+
+def _sync_flag_follows_the_phase(rank, world_size):
+    model = _model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="gloo")
+    net = DDP(model)
+    attach_ddp(net, opt)
+    flags, early = [net.require_backward_grad_sync], None
+    for step in range(1, 4):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        _loss(net, x, y).backward()
+        opt.step()
+        flags.append(net.require_backward_grad_sync)
+        if step == 1:
+            early = opt.state_dict()
+    opt.load_state_dict(early)  # back to step 1: the next step is a warmup step again
+    flags.append(net.require_backward_grad_sync)
+    return flags
+
+
+def test_attach_ddp_turns_ddp_sync_off_in_compression_and_back_after_a_load(tmp_path):
+    results = run_ranks(_sync_flag_follows_the_phase, 2, tmp_path)
+    # before step 1, after steps 1-3 (the next step: warmup, compression, compression), after the load
+    assert results == [[True, True, False, False, True]] * 2

@@ -549,3 +549,19 @@ def test_huge_finite_gradients_are_not_taken_for_an_overflow():
         opt.step()
     assert opt.step_count == 2
     assert opt.comm_stats()["compression"]["skipped_steps"] == 0
+
+
+def test_state_dict_and_load_hooks_run_as_in_torch(tmp_path):
+    model = _model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="local")
+    _train(model, opt, 3)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("save post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o.step_count)))
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    onebit.save_checkpoint(tmp_path / "c.pt", opt)
+    onebit.load_checkpoint(tmp_path / "c.pt", opt)
+    assert calls == ["save pre", "save post", "load pre", ("load post", 3)] * 2

@@ -3,8 +3,9 @@
 With ``DistributedDataParallel``, gradients are averaged during backward, overlapped with it. In
 the warmup phase that is exactly what OnebitAdam needs; in the compression phase the gradients
 must stay local (the optimizer compresses the momentum instead), so the hook returns each bucket
-untouched. The hook reads ``optimizer.phase``, the phase of the next ``step()``; it changes
-nothing on the model or the optimizer except what :func:`attach_ddp` documents.
+untouched (and :func:`attach_ddp` turns DDP's gradient synchronization off in that phase, so the
+hook is not even called). The hook reads ``optimizer.phase``, the phase of the next ``step()``; it
+changes nothing on the model or the optimizer except what :func:`attach_ddp` documents.
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at run time.
@@ -41,6 +42,13 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
     arrive already averaged in warmup (``optimizer.set_warmup_gradients_averaged(True)``), so
     nothing is reduced twice. Call it once, before the first backward.
 
+    In the compression phase DDP would still copy every gradient into its buckets and back for a
+    hook that sends nothing; so after each ``step()`` (and ``load_state_dict``) this sets
+    ``ddp_model.require_backward_grad_sync`` (the flag ``ddp_model.no_sync()`` sets) to whether the
+    next step is a warmup step: DDP skips its gradient buckets in compression, as under
+    ``no_sync()``. A ``no_sync()`` block of your own (gradient accumulation) still works: it
+    restores the flag when it exits.
+
     The DDP model and the optimizer must use the same ranks: the process group of ``ddp_model``
     and the optimizer's backend must have the same world size.
     """
@@ -57,3 +65,10 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
         )
     ddp_model.register_comm_hook(state, onebit_ddp_hook)
     optimizer.set_warmup_gradients_averaged(True)
+
+    def sync_in_warmup_only(*_: Any) -> None:
+        ddp_model.require_backward_grad_sync = optimizer.phase == "warmup"
+
+    sync_in_warmup_only()
+    optimizer.register_step_post_hook(sync_in_warmup_only)
+    optimizer.register_load_state_dict_post_hook(sync_in_warmup_only)
