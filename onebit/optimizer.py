@@ -43,8 +43,10 @@ class _Bucket:
         kwargs = {"dtype": torch.float32, "device": self.device}
         self.exp_avg = torch.zeros(self.padded, **kwargs)
         self.exp_avg_sq = torch.zeros(self.padded, **kwargs)
-        self.grad = torch.zeros(self.padded, **kwargs)
-        self.update = torch.zeros(self.numel, **kwargs)
+        # Flat scratch buffers of the full-precision path (the gathered, all-reduced gradient and
+        # the update direction), allocated on first use; a compressed bucket releases them when
+        # compression starts, since it reads p.grad and updates p in place (see scratch()).
+        self._scratch: dict[str, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None  # the user's momentum mask (1 keep, 0 zero)
         # In compression: where the momentum is kept 0 (the user's mask, and where the frozen
         # variance is 0), or None: the indices when they are few (applying them costs what they
@@ -66,6 +68,16 @@ class _Bucket:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s].view(p.shape) for s, p in zip(self.slices, self.params)]
+
+    def scratch(self, name: str) -> torch.Tensor:
+        """The flat float32 buffer ``name`` (``'grad'`` or ``'update'``, ``numel`` elements)."""
+        buffer = self._scratch.get(name)
+        if buffer is None:
+            buffer = self._scratch[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        return buffer
+
+    def release_scratch(self) -> None:
+        self._scratch.clear()
 
 
 def _check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
@@ -435,7 +447,7 @@ class OnebitAdam(torch.optim.Optimizer):
                 if b.compression is not None]
 
     def _gather_grads(self, bucket: _Bucket, inv_scale: torch.Tensor | None) -> None:
-        grad = bucket.grad[:bucket.numel]
+        grad = bucket.scratch("grad")
         for s, p in zip(bucket.slices, bucket.params):
             if p.grad is None:
                 grad[s].zero_()
@@ -455,7 +467,7 @@ class OnebitAdam(torch.optim.Optimizer):
         if direct and all(p.grad is None or p.grad.dtype == torch.float32 for p in bucket.params):
             return [p.grad for p in bucket.params]
         self._gather_grads(bucket, inv_scale)
-        return bucket.views(bucket.grad)
+        return bucket.views(bucket.scratch("grad"))
 
     def _step_buckets(self, compressing: bool) -> bool:
         """Run one step over all buckets; return False when it was skipped for non-finite grads."""
@@ -475,7 +487,7 @@ class OnebitAdam(torch.optim.Optimizer):
             bad_ranks = round(flag.item() * self._backend.world_size)
         for bucket in self._buckets:
             if bucket not in compressed and not (self._warmup_grads_averaged and not compressing):
-                self._backend.all_reduce_mean_(bucket.grad[:bucket.numel])
+                self._backend.all_reduce_mean_(bucket.scratch("grad"))
         if not compressed:
             averaged_bad = not self._all_finite(grads)
             bad_ranks = int(averaged_bad or local_bad)
@@ -533,6 +545,7 @@ class OnebitAdam(torch.optim.Optimizer):
             elif zeros:
                 bucket.frozen_zeros = torch.nonzero(~keep).flatten()
             bucket.frozen_mask_ready = True
+            bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
             zero += dead
         if self._backend.rank == 0:
             what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
@@ -557,12 +570,12 @@ class OnebitAdam(torch.optim.Optimizer):
         n = bucket.numel
         beta1, beta2 = group["betas"]
         m, v = bucket.exp_avg[:n], bucket.exp_avg_sq[:n]
-        F.adam_moments_(m, v, bucket.grad[:n], beta1, beta2)
+        F.adam_moments_(m, v, bucket.scratch("grad"), beta1, beta2)
         if bucket.mask is not None:
             m.mul_(bucket.mask[:n])
         bc1, bc2 = F.bias_corrections(t, t, beta1, beta2, group["bias_correction"])
-        F.adam_direction_(bucket.update, m, v, group["eps"], bc1, bc2)
-        updates = bucket.views(bucket.update)
+        update = F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2)
+        updates = bucket.views(update)
         params = bucket.params
         if bucket.same_dtype:
             if group["weight_decay"] != 0:
