@@ -132,6 +132,13 @@ def test_trajectory_matches_simulation_in_both_phases(tmp_path, world_size, buck
     assert results[0]["stats"]["compression"]["steps"] == steps - freeze_step
 
 
+def _counted(name: str):
+    def method(self, *args):
+        self.calls += 1
+        return getattr(TorchDistBackend, name)(self, *args)
+    return method
+
+
 class CountingBackend(TorchDistBackend):
     """Counts the torch.distributed calls actually issued, independently of onebit's statistics."""
 
@@ -139,25 +146,11 @@ class CountingBackend(TorchDistBackend):
         super().__init__(expected="gloo")
         self.calls = 0
 
-    def all_reduce_mean_(self, tensor):
-        self.calls += 1
-        return super().all_reduce_mean_(tensor)
-
-    def all_to_all(self, output, input):
-        self.calls += 1
-        return super().all_to_all(output, input)
-
-    def all_gather(self, output, input):
-        self.calls += 1
-        return super().all_gather(output, input)
-
-    def start_all_to_all(self, output, input):
-        self.calls += 1
-        return super().start_all_to_all(output, input)
-
-    def start_all_gather(self, output, input):
-        self.calls += 1
-        return super().start_all_gather(output, input)
+    all_reduce_mean_ = _counted("all_reduce_mean_")
+    all_to_all = _counted("all_to_all")
+    all_gather = _counted("all_gather")
+    start_all_to_all = _counted("start_all_to_all")
+    start_all_gather = _counted("start_all_gather")
 
 
 def _count_rank(rank, world_size):
