@@ -89,32 +89,34 @@ class InstrumentedBackend(CommBackend):
         self._record(nbytes, time.perf_counter() - start)
         return out
 
+    def _all_to_all_bytes(self, input: torch.Tensor) -> int:
+        n = self.world_size
+        return input.numel() * input.element_size() * (n - 1) // n
+
+    def _all_gather_bytes(self, input: torch.Tensor) -> int:
+        return input.numel() * input.element_size() * (self.world_size - 1)
+
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         out = self.inner.all_to_all(output, input)
-        n = self.world_size
-        nbytes = (input.numel() * input.element_size()) * (n - 1) // n
-        self._record(nbytes, time.perf_counter() - start)
+        self._record(self._all_to_all_bytes(input), time.perf_counter() - start)
         return out
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         out = self.inner.all_gather(output, input)
-        nbytes = input.numel() * input.element_size() * (self.world_size - 1)
-        self._record(nbytes, time.perf_counter() - start)
+        self._record(self._all_gather_bytes(input), time.perf_counter() - start)
         return out
 
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         start = time.perf_counter()
         handle = self.inner.start_all_to_all(output, input)
-        n = self.world_size
-        return _Timed(self, handle, input.numel() * input.element_size() * (n - 1) // n, time.perf_counter() - start)
+        return _Timed(self, handle, self._all_to_all_bytes(input), time.perf_counter() - start)
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         start = time.perf_counter()
         handle = self.inner.start_all_gather(output, input)
-        nbytes = input.numel() * input.element_size() * (self.world_size - 1)
-        return _Timed(self, handle, nbytes, time.perf_counter() - start)
+        return _Timed(self, handle, self._all_gather_bytes(input), time.perf_counter() - start)
 
     def barrier(self) -> None:
         self.inner.barrier()
