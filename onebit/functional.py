@@ -1,14 +1,17 @@
-"""Pure update maths on flat float32 buffers. No state, no communication.
+"""Pure update maths on float32 tensors (flat buffers, or per-parameter views of them). No state,
+no communication.
 
 DeepSpeed's numerics are the default: eps outside the square root, decoupled weight decay, and
 (unless ``bias_correction``) no bias correction::
 
-    m = beta1 * m + (1 - beta1) * g
+    m = beta1 * m + (1 - beta1) * g              (computed as lerp(m, g, 1 - beta1))
     v = beta2 * v + (1 - beta2) * g * g          (warmup only; frozen after)
     u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p
     p = p - lr * u
 
-with ``bc1 = bc2 = 1`` without bias correction.
+with ``bc1 = bc2 = 1`` without bias correction. (In compression the optimizer applies the last two
+lines as ``p = p * (1 - lr * weight_decay) - (lr / bc1) * m / (sqrt(v / bc2) + eps)`` in one fused
+pass: the same maths, rounded differently.)
 """
 
 from __future__ import annotations
