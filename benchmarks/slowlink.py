@@ -240,7 +240,8 @@ def add_estimate(summary: dict, rate_gbit: float | None, isolated: dict | None) 
         if costs is None:
             continue
         est = estimate_speedup(numel, n, rate_gbit, compute_s=comp["fwd_bwd_s"], codec_gbps=costs["codec_gbps"],
-                               adam_step_s=costs["adam_step_s"], onebit_step_s=costs["onebit_step_s"])
+                               adam_step_s=costs["adam_step_s"], onebit_step_s=costs["onebit_step_s"],
+                               buckets=summary.get("buckets", {}).get("onebit_compression"))
         summary[key] = {**est.as_dict(), "measured_speedup": measured, "error": est.speedup / measured - 1.0}
 
 

@@ -59,6 +59,21 @@ def test_estimate_matches_the_documented_model():
     assert est.as_dict()["world_size"] == n
 
 
+def test_pipelined_buckets_hide_wire_time_behind_the_codec():
+    """With k buckets, the transfers of k - 1 of them overlap the codec of the others, as far as
+    the codec lasts; one bucket hides nothing; the default k is ceil(N / 2**24)."""
+    numel, n, gbit = 40_000_000, 2, 1.0
+    one = estimate_speedup(numel, n, gbit, buckets=1, **COSTS)
+    assert one.onebit_wire_exposed_s == one.onebit_wire_s
+    four = estimate_speedup(numel, n, gbit, buckets=4, **COSTS)
+    assert four.codec_s > four.onebit_wire_s  # codec 80 ms, wire 42 ms: 3/4 of the wire hides
+    assert four.onebit_wire_exposed_s == pytest.approx(four.onebit_wire_s / 4)
+    assert four.compressed_step_s == pytest.approx(one.compressed_step_s - 0.75 * one.onebit_wire_s)
+    slow_link = estimate_speedup(numel, n, 0.1, buckets=4, **COSTS)  # wire 420 ms > codec: codec-bound
+    assert slow_link.onebit_wire_exposed_s == pytest.approx(slow_link.onebit_wire_s - 0.75 * slow_link.codec_s)
+    assert estimate_speedup(numel, n, gbit, **COSTS).buckets == 3
+
+
 def test_speedup_falls_as_bandwidth_rises():
     rates = [0.1, 0.5, 1, 2, 5, 10, 25, 100, 400]
     free_reduce = [estimate_speedup(50_000_000, 8, r, compute_s=0.2, reduce_gbps=math.inf, **COSTS).speedup
@@ -112,6 +127,8 @@ BAD = [
     (dict(reduce_gbps=0), "reduce_gbps: 0"),
     (dict(wire_efficiency=1.5), "wire_efficiency: 1.5"),
     (dict(wire_efficiency=0), "wire_efficiency: 0"),
+    (dict(buckets=0), "buckets: 0"),
+    (dict(buckets=1.5), "buckets: 1.5"),
 ]
 
 
