@@ -52,6 +52,27 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_bounds(bounds: torch.Tensor | None, total: int, unit: int, what: str) -> tuple[torch.Tensor, list[int]]:
+    """Validate a segment table (``None``: one segment) over ``total`` elements whose segments are
+    multiples of ``unit`` (``8 n``). Return it as a contiguous int64 CPU tensor and as a list.
+
+    A segment table is host metadata (the kernels index memory with it): it must be a CPU tensor,
+    also for CUDA buffers (the CUDA kernels keep their own device copy of each table they see)."""
+    if bounds is None:
+        return torch.tensor([0, total], dtype=torch.int64), [0, total]
+    _require(isinstance(bounds, torch.Tensor) and bounds.dtype == torch.int64 and bounds.dim() == 1
+             and bounds.numel() >= 2 and bounds.device.type == "cpu",
+             f"{what}: bounds must be a 1-d int64 CPU tensor [0, ..., {total}] of at least 2 entries, got "
+             f"{getattr(bounds, 'dtype', type(bounds).__name__)} {tuple(getattr(bounds, 'shape', ()))} on "
+             f"{getattr(bounds, 'device', '?')}")
+    edges = bounds.tolist()
+    _require(edges[0] == 0 and edges[-1] == total,
+             f"{what}: bounds must run from 0 to {total}, got {edges[0]} .. {edges[-1]}")
+    bad = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b <= a or (b - a) % unit]
+    _require(not bad, f"{what}: every segment must be a positive multiple of {unit} elements, got {bad[:3]}")
+    return bounds.contiguous(), edges
+
+
 def check_worker(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, device_type: str) -> int:
     """Validate worker arguments; return the element count."""
     n = x.numel()

@@ -14,8 +14,19 @@ Conventions (fixed; changing any of them changes the wire format):
   order, divided by ``n`` in float32 (a true division, not a multiplication by ``1/n``), then the
   server error added.
 
+* **Segments.** A buffer of ``M`` elements is cut into ``k`` segments by its *segment table*
+  ``bounds = [0, o_1, ..., o_{k-1}, M]`` (int64; ``None`` means one segment), each segment a
+  multiple of ``8 n`` elements for ``n`` ranks: a parameter tensor (or a block of one) padded on
+  its own. Every segment has its own scale, on the worker and on the server, exactly as if it
+  were compressed alone; chunk ``j`` of segment ``i`` (``L_i = (o_{i+1} - o_i) / n`` elements)
+  travels in wire row ``j`` at element offset ``o_i / n``, so row ``j`` holds chunk ``j`` of every
+  segment in segment order (``M / (8 n)`` bytes) and the server's chunk has the segment table
+  ``bounds / n``.
+
 All functions take flat float32 tensors on any device; ``packed`` tensors are uint8 with one eighth
 of the elements, written in row-major order (they may be strided views, e.g. rows of a send buffer).
+Scales are returned as a ``(k,)`` float32 tensor and read as ``(n, k)`` (row ``r``: rank ``r``'s
+scale of each segment).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import torch
 
 from .blocked import blocked_rms_scale
 
-__all__ = ["pack_signs", "unpack_signs", "rms_scale", "worker_compress_", "server_compress_", "decode_"]
+__all__ = ["pack_signs", "unpack_signs", "rms_scale", "segment_bounds", "worker_compress_", "server_compress_", "decode_"]
 
 _SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
 
@@ -60,49 +71,98 @@ def _sign_values(b: torch.Tensor) -> torch.Tensor:
     return torch.where(b < 0, -1.0, 1.0).to(torch.float32)
 
 
-def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """Worker side: ``b = x + error``; pack ``sign(b)``; ``error <- b - s*sign(b)``; return ``s``.
+def segment_bounds(bounds: torch.Tensor | None, total: int) -> list[int]:
+    """The segment boundaries as a list ``[0, o_1, ..., total]`` (``None``: one segment)."""
+    if bounds is None:
+        return [0, total]
+    return [int(b) for b in bounds.tolist()]
+
+
+def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
+                     bounds: torch.Tensor | None = None) -> torch.Tensor:
+    """Worker side: for each segment ``b = x + error``; pack ``sign(b)``; ``error <- b - s*sign(b)``.
+
+    ``x`` and ``error`` are flat, ``M`` elements, cut into segments by ``bounds`` (int64
+    ``[0, o_1, ..., M]``; ``None``: one segment), each a multiple of ``8 n`` elements long, where
+    ``n`` is the number of rows of ``packed`` (uint8 ``(n, M / (8 n))``; a 1-d ``packed`` is one
+    row). Each segment has its own scale ``s_i`` (its RMS) and is cut into ``n`` equal chunks;
+    chunk ``j`` of segment ``i`` (``L_i = (o_{i+1} - o_i) / n`` elements) is packed into row ``j``
+    at bytes ``o_i / (8 n) ... (o_i / n + L_i) / 8``: row ``j`` holds chunk ``j`` of every
+    segment, in segment order. Returns the ``(k,)`` float32 scales.
 
     ``x`` is left unchanged; ``error`` is updated in place; ``packed`` is overwritten.
     """
+    rows = packed.reshape(-1, packed.shape[-1]) if packed.dim() == 2 else packed.reshape(1, -1)
+    n = rows.shape[0]
+    edges = segment_bounds(bounds, x.numel())
     b = x + error
-    scale = rms_scale(b)
-    packed.copy_(pack_signs(b).reshape(packed.shape))
-    torch.sub(b, _sign_values(b) * scale, out=error)
-    return scale
+    scales = []
+    out = rows.clone()
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        seg = b[lo:hi]
+        scale = rms_scale(seg)
+        chunk = (hi - lo) // n
+        out[:, lo // (8 * n):(lo // n + chunk) // 8] = pack_signs(seg).view(n, chunk // 8)
+        error[lo:hi] = seg - _sign_values(seg) * scale
+        scales.append(scale)
+    packed.copy_(out.reshape(packed.shape))
+    return torch.stack(scales)
 
 
 def server_compress_(
-    signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor, packed: torch.Tensor
+    signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
+    bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Server side for one chunk.
+    """Server side for one chunk of every segment.
 
-    ``signs`` is ``(n, L/8)`` uint8 (row ``i`` from rank ``i``), ``scales`` is ``(n,)`` float32,
-    ``error`` is the ``(L,)`` server error, updated in place. Computes
-    ``c = (sum_i s_i q_i) / n + error``, packs ``sign(c)`` into ``packed``, sets
-    ``error <- c - s*sign(c)`` and returns the server scale ``s``.
+    ``signs`` is ``(n, C)`` uint8 (row ``i`` from rank ``i``, laid out by
+    :func:`worker_compress_`), ``scales`` is ``(n, k)`` float32 (row ``i``: rank ``i``'s scale of
+    each segment), ``error`` is the ``(8 C,)`` server error, updated in place; ``bounds`` are the
+    worker's segment boundaries (``M = 8 n C`` elements; the server's are ``bounds / n``). For each
+    segment ``i``: ``c = (sum_r s_ri q_r) / n + error``, packs ``sign(c)`` into ``packed`` (``C``
+    bytes, the same positions), sets ``error <- c - s_i sign(c)`` and returns the ``(k,)`` server
+    scales ``s_i`` (each the RMS of its segment's ``c``).
     """
     n = signs.shape[0]
-    acc = unpack_signs(signs[0]) * scales[0]
-    for i in range(1, n):
-        acc += unpack_signs(signs[i]) * scales[i]
-    # Divide by a tensor: with a Python scalar, torch's CUDA kernel multiplies by 1/n instead.
-    c = acc.div_(torch.tensor(float(n), device=acc.device)).add_(error)
-    scale = rms_scale(c)
-    packed.copy_(pack_signs(c).reshape(packed.shape))
-    torch.sub(c, _sign_values(c) * scale, out=error)
-    return scale
-
-
-def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[j*L:(j+1)*L] = scales[j] * q_j`` for the ``(n, L/8)`` packed ``signs``.
-
-    ``keep`` (optional): ``out.numel() / 8`` bytes of packed bits in the same order as ``out``
-    (MSB first); where a bit is clear the output is ``+0.0`` (a momentum mask, applied in the
-    same pass)."""
-    n = signs.shape[0]
+    edges = [e // n for e in segment_bounds(bounds, error.numel() * n)]
+    k = len(edges) - 1
+    scales = scales.reshape(n, k)
     values = unpack_signs(signs).view(n, -1)
-    torch.mul(values, scales.view(n, 1), out=out.view(n, -1))
+    out = packed.reshape(-1).clone()
+    result = []
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        acc = values[0, lo:hi] * scales[0, i]
+        for r in range(1, n):
+            acc += values[r, lo:hi] * scales[r, i]
+        # Divide by a tensor: with a Python scalar, torch's CUDA kernel multiplies by 1/n instead.
+        c = acc.div_(torch.tensor(float(n), device=acc.device)).add_(error[lo:hi])
+        scale = rms_scale(c)
+        out[lo // 8:hi // 8] = pack_signs(c)
+        error[lo:hi] = c - _sign_values(c) * scale
+        result.append(scale)
+    packed.copy_(out.reshape(packed.shape))
+    return torch.stack(result)
+
+
+def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: torch.Tensor | None = None, *,
+            bounds: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode the gathered server chunks: ``signs`` is ``(n, C)`` (row ``j`` from server ``j``),
+    ``scales`` ``(n, k)``. For segment ``i`` (``bounds`` as in :func:`worker_compress_`, over
+    ``out``'s ``M = 8 n C`` elements), chunk ``j`` is
+    ``out[o_i + j L_i : o_i + (j + 1) L_i] = scales[j, i] * q_j[o_i / n : o_i / n + L_i]``.
+
+    ``keep`` (optional): ``M / 8`` bytes of packed bits in the same order as ``out`` (MSB
+    first); where a bit is clear the output is ``+0.0`` (a momentum mask, applied in the same
+    pass)."""
+    n = signs.shape[0]
+    edges = segment_bounds(bounds, out.numel())
+    k = len(edges) - 1
+    scales = scales.reshape(n, k)
+    values = unpack_signs(signs).view(n, -1)
+    flat = out.view(-1)
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        chunk = (hi - lo) // n
+        torch.mul(values[:, lo // n:lo // n + chunk], scales[:, i:i + 1], out=flat[lo:hi].view(n, chunk))
     if keep is not None:
-        out.view(-1).masked_fill_(unpack_signs(keep.reshape(-1)) < 0, 0.0)
+        flat.masked_fill_(unpack_signs(keep.reshape(-1)) < 0, 0.0)
     return out
