@@ -1,8 +1,12 @@
 """The error-compensated 1-bit compressed all-reduce, written once over (codec, transport).
 
+The buffer is cut into segments (one per parameter tensor, see
+:class:`onebit.compression.SegmentLayout`); everything below holds for each segment on its own,
+and all segments travel in the same two collectives.
+
 Phase 1 (every rank as worker): ``b = x + e_w``; scale ``s_w = rms(b)``; ``e_w <- b - s_w sign(b)``;
 packed signs split into ``n`` chunks; **all-to-all** (rank ``j`` receives chunk ``j`` of every
-rank, each row carrying its sender's scale).
+rank, each row carrying its sender's scales).
 
 Phase 2 (rank ``j`` as server of chunk ``j``): ``c = (sum_i s_w,i q_i) / n + e_s``;
 ``s_s = rms(c)``; ``e_s <- c - s_s sign(c)``; **all-gather** of the packed server chunks with
@@ -14,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from .backends.base import COMPLETED, CommBackend, Pending
+from collections.abc import Sequence
+
 from .compression import chunk_bytes, padded_length, read_scales, row_bytes, write_scale_
 from .kernels import REFERENCE, KernelSet
 
@@ -23,20 +29,35 @@ __all__ = ["CompressionState", "compressed_allreduce_", "start_worker_", "start_
 class CompressionState:
     """Persistent per-buffer state of the compressed all-reduce on one rank.
 
-    Holds the worker error (``padded`` elements), the server error (``padded / n``) and the wire
-    buffers, allocated once. ``padded`` must follow :func:`onebit.compression.padded_length`.
+    Holds the worker error (``padded`` elements), the server error (``padded / n``), the segment
+    table and the wire buffers, allocated once. ``edges`` are the segment boundaries
+    ``[0, o_1, ..., padded]`` (default: one segment), each segment a multiple of ``8 n`` long
+    (:class:`onebit.compression.SegmentLayout` gives them; for one segment ``padded`` must follow
+    :func:`onebit.compression.padded_length`).
     """
 
-    def __init__(self, padded: int, world_size: int, device: torch.device | str) -> None:
-        if padded != padded_length(padded, world_size):
-            raise ValueError(
-                f"buffer length {padded} is not padded for world size {world_size}; "
-                f"use onebit.compression.padded_length (here {padded_length(padded, world_size)})"
-            )
+    def __init__(self, padded: int, world_size: int, device: torch.device | str,
+                 edges: Sequence[int] | None = None) -> None:
         n = world_size
+        if edges is None:
+            if padded != padded_length(padded, world_size):
+                raise ValueError(
+                    f"buffer length {padded} is not padded for world size {world_size}; "
+                    f"use onebit.compression.padded_length (here {padded_length(padded, world_size)})"
+                )
+            edges = [0, padded]
+        edges = [int(e) for e in edges]
+        if (len(edges) < 2 or edges[0] != 0 or edges[-1] != padded
+                or any(b <= a or (b - a) % (8 * n) for a, b in zip(edges[:-1], edges[1:]))):
+            raise ValueError(
+                f"segment edges must run from 0 to {padded} in steps that are positive multiples of {8 * n} "
+                "(use onebit.compression.SegmentLayout)"
+            )
         self.padded = padded
         self.world_size = n
-        row = row_bytes(padded, n)
+        self.segments = len(edges) - 1
+        self.bounds = torch.tensor(edges, dtype=torch.int64)  # the kernels' segment table (host)
+        row = row_bytes(padded, n, self.segments)
         self.worker_error = torch.zeros(padded, dtype=torch.float32, device=device)
         self.server_error = torch.zeros(padded // n, dtype=torch.float32, device=device)
         self.send = torch.zeros(n, row, dtype=torch.uint8, device=device)
@@ -81,8 +102,8 @@ def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBa
             f"{buffer.dtype} of shape {tuple(buffer.shape)}"
         )
     signs = chunk_bytes(state.padded, n)
-    worker_scale = kernels.worker_compress_(buffer, state.worker_error, state.send[:, :signs])
-    write_scale_(state.send, worker_scale)
+    worker_scales = kernels.worker_compress_(buffer, state.worker_error, state.send[:, :signs], bounds=state.bounds)
+    write_scale_(state.send, worker_scales)
     state.pending = backend.start_all_to_all(state.recv, state.send)
     state.stage = 1
 
@@ -93,10 +114,11 @@ def start_server_(state: CompressionState, backend: CommBackend, kernels: Kernel
     _expect_stage(state, 1, "start_server_", "start_worker_")
     state.pending.wait()
     signs = chunk_bytes(state.padded, state.world_size)
-    server_scale = kernels.server_compress_(
-        state.recv[:, :signs], read_scales(state.recv), state.server_error, state.gather_in[:signs]
+    server_scales = kernels.server_compress_(
+        state.recv[:, :signs], read_scales(state.recv, state.segments), state.server_error, state.gather_in[:signs],
+        bounds=state.bounds,
     )
-    write_scale_(state.gather_in.view(1, -1), server_scale)
+    write_scale_(state.gather_in.view(1, -1), server_scales)
     state.pending = backend.start_all_gather(state.gather_out, state.gather_in)
     state.stage = 2
 
@@ -109,10 +131,8 @@ def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet,
     state.pending.wait()
     state.pending, state.stage = COMPLETED, 0
     signs = chunk_bytes(state.padded, state.world_size)
-    if keep is None:
-        kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out), buffer)
-    else:
-        kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out), buffer, keep)
+    kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out, state.segments), buffer, keep,
+                    bounds=state.bounds)
     return buffer
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import time
@@ -15,7 +16,7 @@ from . import checkpoint
 from . import functional as F
 from .backends import CommBackend, resolve_backend
 from .collectives import CompressionState, finish_, start_server_, start_worker_
-from .compression import padded_length
+from .compression import SegmentLayout
 from .kernels import get_kernels
 from .kernels.reference import pack_signs
 from .stats import PHASES, InstrumentedBackend, PhaseStats
@@ -25,6 +26,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["OnebitAdam"]
 
 DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
+# A run going wrong (see the ``divergence`` argument): this many skipped steps in a row, or a worker
+# compression error above this many times the momentum's norm, checked every so many compression
+# steps (two extra passes over the buffers then). A healthy run keeps the ratio near 1 (1-bit
+# quantization of Gaussian-like values leaves an error of about 0.6 of the input's norm).
+SKIPS_TO_WARN = 3
+ERROR_RATIO_TO_WARN = 10.0
+HEALTH_CHECK_INTERVAL = 16
 # Zeroing k scattered coordinates (index_fill_: 6.5 ns each) costs about what the decode's extra
 # read of a packed mask over 1000 k coordinates does (0.14 ms per 25M; one CPU core): a bucket
 # whose momentum mask has more zeros than 1/RATIO of its length hands the mask to the decode.
@@ -32,26 +40,44 @@ _DENSE_MASK_RATIO = 1024
 
 
 class _Bucket:
-    """Flat, padded buffers for a run of parameters of one group on one device."""
+    """Flat, padded buffers for a run of parameters of one group on one device.
 
-    def __init__(self, group_index: int, params: list[torch.Tensor], world_size: int, compress: bool) -> None:
+    Compressed buckets lay their tensors out as segments (:class:`onebit.compression.SegmentLayout`):
+    each tensor padded on its own, so that every segment gets its own scales. ``slices`` say
+    where each tensor lies; the padding between them (``real`` is False there) holds zeros in the
+    moments and never reaches a parameter.
+    """
+
+    def __init__(self, group_index: int, params: list[torch.Tensor], world_size: int, compress: bool,
+                 scale_block_size: int | None = None) -> None:
         self.group_index = group_index
         self.params = params
         self.device = params[0].device
         self.numel = sum(p.numel() for p in params)
-        self.padded = padded_length(self.numel, world_size) if compress else self.numel
+        numels = [p.numel() for p in params]
+        if compress:
+            self.layout = SegmentLayout.build(numels, world_size, scale_block_size)
+            self.slices = self.layout.slices()
+            self.padded = self.layout.padded
+        else:
+            self.layout = None
+            starts = [0, *itertools.accumulate(numels)]
+            self.slices = [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]
+            self.padded = self.numel
         kwargs = {"dtype": torch.float32, "device": self.device}
         self.exp_avg = torch.zeros(self.padded, **kwargs)
         self.exp_avg_sq = torch.zeros(self.padded, **kwargs)
         # Flat scratch buffers of the full-precision path (the gathered, all-reduced gradient and
-        # the update direction), allocated on first use; a compressed bucket releases them when
-        # compression starts, since it reads p.grad and updates p in place (see scratch()).
+        # the update direction, in the bucket's layout), allocated on first use; a compressed
+        # bucket releases them when compression starts, since it reads p.grad and updates p in
+        # place (see scratch()).
         self._scratch: dict[str, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None  # the user's momentum mask (1 keep, 0 zero)
-        # In compression: where the momentum is kept 0 (the user's mask, and where the frozen
-        # variance is 0), or None: the indices when they are few (applying them costs what they
-        # hold), else packed bits over the padded buffer (set = keep) that the decode applies in
-        # its own pass. Derived from exp_avg_sq when compression starts or state is loaded.
+        # In compression: where the momentum is kept 0 (the user's mask, where the frozen
+        # variance is 0, and the padding), or None: the indices when they are few (applying them
+        # costs what they hold), else packed bits over the padded buffer (set = keep) that the
+        # decode applies in its own pass. Derived from exp_avg_sq when compression starts or
+        # state is loaded.
         self.frozen_zeros: torch.Tensor | None = None
         self.frozen_keep: torch.Tensor | None = None
         self.frozen_mask_ready = False
@@ -59,21 +85,26 @@ class _Bucket:
         self.denominator: torch.Tensor | None = None
         self.denominator_key: tuple[float, float] | None = None
         self.same_dtype = all(p.dtype == torch.float32 for p in params)
-        self.compression = CompressionState(self.padded, world_size, self.device) if compress else None
-        self.slices: list[slice] = []
-        offset = 0
-        for p in params:
-            self.slices.append(slice(offset, offset + p.numel()))
-            offset += p.numel()
+        self.compression = (CompressionState(self.padded, world_size, self.device, self.layout.edges)
+                            if compress else None)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s].view(p.shape) for s, p in zip(self.slices, self.params)]
 
-    def scratch(self, name: str) -> torch.Tensor:
-        """The flat float32 buffer ``name`` (``'grad'`` or ``'update'``, ``numel`` elements)."""
+    def real(self) -> torch.Tensor:
+        """A bool tensor over the padded buffer: True where a parameter element lies."""
+        real = torch.zeros(self.padded, dtype=torch.bool, device=self.device)
+        for s in self.slices:
+            real[s] = True
+        return real
+
+    def scratch(self, name: str, length: int | None = None) -> torch.Tensor:
+        """The flat float32 buffer ``name`` (``'grad'`` or ``'update'``: ``padded`` elements, zero
+        in the padding; ``'wire'``: the gradients end to end), allocated on first use."""
         buffer = self._scratch.get(name)
         if buffer is None:
-            buffer = self._scratch[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            size = self.padded if length is None else length
+            buffer = self._scratch[name] = torch.zeros(size, dtype=torch.float32, device=self.device)
         return buffer
 
     def release_scratch(self) -> None:
@@ -160,6 +191,12 @@ class OnebitAdam(torch.optim.Optimizer):
             device as the parameter; bool or 0/1 floats. Not saved in checkpoints.
         bucket_size: number of elements per compression bucket; each bucket costs 2 collective
             calls per compression step and 1 per warmup step, however many tensors it holds.
+            Inside a bucket every tensor has its own scales (as if compressed alone, as DeepSpeed
+            did), so the bucket size changes the number of collectives, not the numerics.
+        scale_block_size: ``None`` (default): one scale per tensor (per rank and chunk). An int
+            ``k``: one scale per block of ``k`` elements of each tensor (rounded up to a multiple
+            of ``8 * world_size``), for finer quantization at ``4 / k`` more bytes per element on
+            the wire.
         nonfinite_grads: ``'skip'`` (default): when any rank's gradients contain NaN or inf (or
             ``torch.amp.GradScaler`` found an overflow), every rank skips the step, leaving
             parameters, moments, compression errors and the step count untouched; ``'raise'``:
@@ -167,6 +204,12 @@ class OnebitAdam(torch.optim.Optimizer):
             GradScaler, ``scaler.step(optimizer)`` hands the scale to this optimizer, which
             unscales and lets every rank agree on skipping; the scalers' own scales may then
             differ between ranks for a step, the parameters never do.
+        divergence: what a run going wrong does: ``'warn'`` (default) logs a warning on rank 0,
+            once per episode, when ``SKIPS_TO_WARN`` steps in a row were skipped for non-finite
+            gradients, or when the worker compression error has grown above
+            ``ERROR_RATIO_TO_WARN`` times the momentum's norm (checked every
+            ``HEALTH_CHECK_INTERVAL`` compression steps); ``'raise'``: every rank raises
+            ``FloatingPointError`` instead (nothing is changed by the step that raises).
         kernels: codec implementation (``'auto'``, ``'reference'``, or a native one); default
             from the ``ONEBIT_KERNELS`` environment variable, else ``'auto'``.
     """
@@ -192,6 +235,8 @@ class OnebitAdam(torch.optim.Optimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         kernels: str | None = None,
         nonfinite_grads: str = "skip",
+        scale_block_size: int | None = None,
+        divergence: str = "warn",
     ) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int):
             raise TypeError(f"freeze_step must be an int, got {freeze_step!r} of type {type(freeze_step).__name__}")
@@ -204,6 +249,14 @@ class OnebitAdam(torch.optim.Optimizer):
             raise ValueError(f"invalid bucket_size: {bucket_size!r}; it must be a positive int (elements)")
         if nonfinite_grads not in ("skip", "raise"):
             raise ValueError(f"invalid nonfinite_grads: {nonfinite_grads!r}; expected 'skip' or 'raise'")
+        if divergence not in ("warn", "raise"):
+            raise ValueError(f"invalid divergence: {divergence!r}; expected 'warn' or 'raise'")
+        if scale_block_size is not None and (isinstance(scale_block_size, bool) or not isinstance(scale_block_size, int)
+                                             or scale_block_size < 1):
+            raise ValueError(
+                f"invalid scale_block_size: {scale_block_size!r}; it must be a positive int (elements per scale), "
+                "or None for one scale per tensor"
+            )
         if not isinstance(cuda_aware, bool):
             raise TypeError(f"cuda_aware must be True or False, got {cuda_aware!r}")
         defaults = dict(
@@ -217,6 +270,12 @@ class OnebitAdam(torch.optim.Optimizer):
         self._step = 0
         self._kernel_choice = kernels
         self.nonfinite_grads = nonfinite_grads
+        self.scale_block_size = scale_block_size
+        self.divergence = divergence
+        self._skipped_in_a_row = 0
+        self._error_ratio: float | None = None  # worker error / momentum norm at the last check (local)
+        self._error_ratio_agreed: float | None = None  # its mean over ranks, agreed at the next step
+        self._warned: set[str] = set()  # the kinds of divergence warned about in the current episode
         self._layout_checked = False
         self._warmup_grads_averaged = False
         super().__init__(params, defaults)
@@ -270,7 +329,7 @@ class OnebitAdam(torch.optim.Optimizer):
                 self._add_bucket(index, run, world, group["compress"])
 
     def _add_bucket(self, index: int, params: list[torch.Tensor], world: int, compress: bool) -> None:
-        bucket = _Bucket(index, params, world, compress)
+        bucket = _Bucket(index, params, world, compress, self.scale_block_size)
         for p, m, v in zip(params, bucket.views(bucket.exp_avg), bucket.views(bucket.exp_avg_sq)):
             self.state[p] = {"exp_avg": m, "exp_avg_sq": v}
         if bucket.device not in self._kernels:
@@ -342,6 +401,9 @@ class OnebitAdam(torch.optim.Optimizer):
         ``bytes_sent`` counts what this rank sends under a bandwidth-optimal algorithm for each
         collective (see :mod:`onebit.stats`). ``worker_error_norm`` / ``server_error_norm`` are
         the current L2 norms of the compression errors (computed on request).
+        ``skipped_in_a_row``: the current run of steps skipped for non-finite gradients;
+        ``error_to_momentum``: the worker error's norm over the momentum's at the last health
+        check (mean over ranks; None before the first), see ``divergence``.
         """
         worker = [b.compression.worker_error for b in self._buckets if b.compression is not None]
         server = [b.compression.server_error for b in self._buckets if b.compression is not None]
@@ -357,6 +419,8 @@ class OnebitAdam(torch.optim.Optimizer):
             "last_step": self._backend.last_step.as_dict(),
             "worker_error_norm": norm(worker),
             "server_error_norm": norm(server),
+            "skipped_in_a_row": self._skipped_in_a_row,
+            "error_to_momentum": self._error_ratio_agreed,
         }
 
     def set_warmup_gradients_averaged(self, averaged: bool) -> None:
@@ -396,6 +460,9 @@ class OnebitAdam(torch.optim.Optimizer):
         if not self._layout_checked:
             self._check_layout()
         applied = self._step_buckets(phase == "compression")
+        self._count_skips(applied)
+        if applied and phase == "compression" and (self._step - self.freeze_step) % HEALTH_CHECK_INTERVAL == 0:
+            self._error_ratio = self._measure_error_ratio()
         elapsed = time.perf_counter() - start
         for stats in (self._backend.totals[phase], self._backend.last_step):
             stats.steps += int(applied)
@@ -438,6 +505,7 @@ class OnebitAdam(torch.optim.Optimizer):
     def _layout_digest(self) -> bytes:
         """8 bytes that differ when the parameter layout (groups, shapes, dtypes, buckets) does."""
         description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
+                             None if b.layout is None else b.layout.edges,
                              [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in self._buckets])
         return hashlib.sha256(description.encode()).digest()[:8]
 
@@ -455,6 +523,20 @@ class OnebitAdam(torch.optim.Optimizer):
                 grad[s].copy_(p.grad.reshape(-1))
         if inv_scale is not None:
             grad.mul_(inv_scale.to(grad.device))
+
+    def _all_reduce_grads(self, bucket: _Bucket) -> None:
+        """Average the bucket's gathered gradient over ranks in full precision: exactly the
+        gradients' bytes on the wire (a padded bucket's gradients are packed end to end for it)."""
+        grad = bucket.scratch("grad")
+        if bucket.padded == bucket.numel:
+            self._backend.all_reduce_mean_(grad)
+            return
+        wire = bucket.scratch("wire", bucket.numel)
+        packed = list(wire.split([p.numel() for p in bucket.params]))
+        spread = [grad[s] for s in bucket.slices]
+        torch._foreach_copy_(packed, spread)
+        self._backend.all_reduce_mean_(wire)
+        torch._foreach_copy_(spread, packed)
 
     def _grads_of(self, bucket: _Bucket, compressing: bool, inv_scale: torch.Tensor | None) -> list[torch.Tensor | None]:
         """The gradients this step reads, one per parameter (None: no gradient, i.e. zero).
@@ -482,12 +564,18 @@ class OnebitAdam(torch.optim.Optimizer):
         compressed = [b for b in self._buckets if compressing and b.compression is not None]
         if compressed:
             local_bad = local_bad or not self._all_finite(grads)
-            flag = torch.tensor([float(local_bad)], device=compressed[0].device)
+            # The same scalar all-reduce carries the last health check's error ratio, so that every
+            # rank agrees on it (and raises together, if asked to).
+            ratio = self._error_ratio
+            flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio], device=compressed[0].device)
             self._backend.all_reduce_mean_(flag)
-            bad_ranks = round(flag.item() * self._backend.world_size)
+            bad_ranks = round(flag[0].item() * self._backend.world_size)
+            if ratio is not None:
+                self._error_ratio, self._error_ratio_agreed = None, float(flag[1].item())
+                self._judge_error_ratio(t)
         for bucket in self._buckets:
             if bucket not in compressed and not (self._warmup_grads_averaged and not compressing):
-                self._backend.all_reduce_mean_(bucket.scratch("grad"))
+                self._all_reduce_grads(bucket)
         if not compressed:
             averaged_bad = not self._all_finite(grads)
             bad_ranks = int(averaged_bad or local_bad)
@@ -531,16 +619,17 @@ class OnebitAdam(torch.optim.Optimizer):
         (1 bit cannot encode 0), so those coordinates keep a zero momentum and do not move."""
         zero = 0
         for bucket in buckets:
-            n = bucket.numel
-            keep = bucket.exp_avg_sq[:n] != 0
-            dead = n - int(keep.sum())
+            real = bucket.real()
+            keep = bucket.exp_avg_sq != 0
+            keep &= real
+            dead = bucket.numel - int(keep.sum())
             if bucket.mask is not None:
-                keep &= bucket.mask[:n] != 0
-            zeros = n - int(keep.sum())
+                keep &= bucket.mask != 0
+            zeros = bucket.padded - int(keep.sum())  # the padding included: it is zeroed too
             bucket.frozen_zeros = bucket.frozen_keep = None
-            if zeros * _DENSE_MASK_RATIO > n:
+            if zeros * _DENSE_MASK_RATIO > bucket.padded:
                 signs = torch.full((bucket.padded,), -1.0, device=bucket.device)
-                signs[:n].masked_fill_(keep, 1.0)
+                signs.masked_fill_(keep, 1.0)
                 bucket.frozen_keep = pack_signs(signs)
             elif zeros:
                 bucket.frozen_zeros = torch.nonzero(~keep).flatten()
@@ -553,6 +642,56 @@ class OnebitAdam(torch.optim.Optimizer):
                 "onebit: step %d: %s 1-bit compressed momentum%s", t, what,
                 f"; {zero} coordinates with zero variance keep a zero momentum" if zero else "",
             )
+
+    def _count_skips(self, applied: bool) -> None:
+        """Count skipped steps in a row; warn (or raise) once when they reach SKIPS_TO_WARN."""
+        if applied:
+            if self._skipped_in_a_row >= SKIPS_TO_WARN and self._backend.rank == 0:
+                logger.warning("onebit: step %d applied after %d skipped steps in a row", self._step,
+                               self._skipped_in_a_row)
+            self._skipped_in_a_row = 0
+            self._warned.discard("skips")
+            return
+        self._skipped_in_a_row += 1
+        if self._skipped_in_a_row >= SKIPS_TO_WARN and "skips" not in self._warned:
+            self._warned.add("skips")
+            self._diverging(
+                f"{self._skipped_in_a_row} step() calls in a row were skipped for non-finite gradients (at step "
+                f"{self._step + 1}, {self.phase} phase); the run may be diverging: lower the learning rate, or "
+                "in compression raise freeze_step"
+            )
+
+    def _measure_error_ratio(self) -> float | None:
+        """This rank's worker compression error norm over its averaged momentum's norm, over all
+        compressed buckets (None when the momentum is 0)."""
+        errors = [b.compression.worker_error for b in self._buckets if b.compression is not None]
+        momenta = [b.exp_avg for b in self._buckets if b.compression is not None]
+        if not errors:
+            return None
+        error = math.sqrt(sum(float(e.double().square().sum()) for e in errors))
+        momentum = math.sqrt(sum(float(m.double().square().sum()) for m in momenta))
+        return error / momentum if momentum > 0 else (math.inf if error > 0 else None)
+
+    def _judge_error_ratio(self, t: int) -> None:
+        ratio = self._error_ratio_agreed
+        if ratio is None or ratio <= ERROR_RATIO_TO_WARN:
+            self._warned.discard("errors")
+            return
+        if "errors" not in self._warned:
+            self._warned.add("errors")
+            self._diverging(
+                f"before step {t} the worker compression error norm is {ratio:.3g} times the momentum's norm "
+                f"(mean over ranks; above {ERROR_RATIO_TO_WARN:g}): 1-bit compression is no longer tracking the "
+                "momentum; the run may be diverging: lower the learning rate, raise freeze_step, or try "
+                "scale_block_size"
+            )
+
+    def _diverging(self, message: str) -> None:
+        """Warn on rank 0, or raise on every rank (the caller's condition is the same on all)."""
+        if self.divergence == "raise":
+            raise FloatingPointError(f"onebit: {message} (divergence='raise')")
+        if self._backend.rank == 0:
+            logger.warning("onebit: %s", message)
 
     def _nonfinite(self, t: int, bad_ranks: int, counted: bool) -> bool:
         where = f"on {bad_ranks} of {self._backend.world_size} ranks" if counted else "in the averaged gradients"
@@ -567,12 +706,11 @@ class OnebitAdam(torch.optim.Optimizer):
 
     def _full_precision_update(self, bucket: _Bucket, group: dict[str, Any], t: int) -> None:
         """Adam on the bucket's (averaged) flat gradient: warmup, and ``compress=False`` groups."""
-        n = bucket.numel
         beta1, beta2 = group["betas"]
-        m, v = bucket.exp_avg[:n], bucket.exp_avg_sq[:n]
+        m, v = bucket.exp_avg, bucket.exp_avg_sq  # the padding stays 0: its gradient is 0
         F.adam_moments_(m, v, bucket.scratch("grad"), beta1, beta2)
         if bucket.mask is not None:
-            m.mul_(bucket.mask[:n])
+            m.mul_(bucket.mask)
         bc1, bc2 = F.bias_corrections(t, t, beta1, beta2, group["bias_correction"])
         update = F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2)
         updates = bucket.views(update)
@@ -590,14 +728,13 @@ class OnebitAdam(torch.optim.Optimizer):
     def _compressed_update(self, bucket: _Bucket, group: dict[str, Any], t: int) -> None:
         """After the 1-bit average of the momentum: its masks, and the update with the frozen
         variance, ``p <- p * (1 - lr * wd) - lr * (m / bc1) / denominator``."""
-        n = bucket.numel
         beta1, beta2 = group["betas"]
         m = bucket.exp_avg
         momenta = bucket.views(m)
-        if bucket.frozen_keep is None:  # else the decode zeroed the masked coordinates and the padding
-            m[n:].zero_()
-            if bucket.frozen_zeros is not None:
-                m.index_fill_(0, bucket.frozen_zeros, 0.0)
+        # The masked coordinates and the padding go back to 0 (the next step's input there must be
+        # 0, as when each tensor is padded afresh); the decode did it already with frozen_keep.
+        if bucket.frozen_keep is None and bucket.frozen_zeros is not None:
+            m.index_fill_(0, bucket.frozen_zeros, 0.0)
         bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
         # The variance is frozen, so is the denominator: computed once, then one fused pass.
         denominators = bucket.views(self._frozen_denominator(bucket, group["eps"], bc2))
@@ -620,7 +757,7 @@ class OnebitAdam(torch.optim.Optimizer):
     def _frozen_denominator(bucket: _Bucket, eps: float, bc2: float) -> torch.Tensor:
         key = (eps, bc2)
         if bucket.denominator is None or bucket.denominator_key != key:
-            v = bucket.exp_avg_sq[:bucket.numel]
+            v = bucket.exp_avg_sq
             bucket.denominator = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
             bucket.denominator_key = key
         return bucket.denominator
@@ -662,6 +799,7 @@ class OnebitAdam(torch.optim.Optimizer):
 
     def _restore_after_load(self, step: int, *, log: bool = True) -> None:
         self._step = step
+        self._error_ratio = self._error_ratio_agreed = None
         for bucket in self._buckets:
             if bucket.mask is not None:
                 bucket.exp_avg.mul_(bucket.mask)

@@ -7,11 +7,12 @@ that the distributed implementation can be checked against it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .compression import padded_length
+from .compression import SegmentLayout
 from .kernels.blocked import blocked_rms_scale
 
 __all__ = ["SimulationResult", "simulate_compressed_allreduce"]
@@ -20,12 +21,12 @@ __all__ = ["SimulationResult", "simulate_compressed_allreduce"]
 @dataclass
 class SimulationResult:
     output: torch.Tensor  # the (unpadded) result every rank receives
-    worker_errors: list[torch.Tensor]  # new worker error of each rank (padded length)
+    worker_errors: list[torch.Tensor]  # new worker error of each rank (padded layout)
     server_errors: list[torch.Tensor]  # new server error of each rank (padded length / n)
-    worker_scales: torch.Tensor  # (n,) float32
-    worker_signs: list[torch.Tensor]  # +1/-1 float32 per rank (padded length)
-    server_scales: torch.Tensor  # (n,) float32
-    server_signs: torch.Tensor  # +1/-1 float32 (padded length), server j's chunk at position j
+    worker_scales: torch.Tensor  # (n, k) float32: rank r's scale of each segment
+    worker_signs: list[torch.Tensor]  # +1/-1 float32 per rank (padded layout)
+    server_scales: torch.Tensor  # (n, k) float32: server j's scale of each segment
+    server_signs: torch.Tensor  # +1/-1 float32 (padded layout), server j's chunks in place
 
 
 def _rms(v: torch.Tensor) -> torch.Tensor:
@@ -41,52 +42,75 @@ def simulate_compressed_allreduce(
     inputs: list[torch.Tensor],
     worker_errors: list[torch.Tensor] | None = None,
     server_errors: list[torch.Tensor] | None = None,
+    *,
+    numels: Sequence[int] | None = None,
+    scale_block_size: int | None = None,
 ) -> SimulationResult:
     """Compressed mean of ``inputs`` (one flat float32 tensor per simulated rank).
 
-    Errors default to zeros; they are not modified (new ones are returned). Inputs are padded
-    with zeros to :func:`onebit.compression.padded_length`.
+    ``numels``: the sizes of the tensors laid end to end in each input (default: one tensor);
+    each tensor (or, with ``scale_block_size``, each block of one) is a segment, compressed on
+    its own with its own scales, exactly as if it were alone, in the padded layout of
+    :class:`onebit.compression.SegmentLayout`. Errors are in that layout (worker: the padded
+    buffer; server ``j``: chunk ``j`` of every segment, in segment order) and default to zeros;
+    they are not modified (new ones are returned). Scales are ``(n, k)``: row ``r`` holds rank
+    (or server) ``r``'s scale of each of the ``k`` segments.
     """
     n = len(inputs)
-    numel = inputs[0].numel()
-    padded = padded_length(numel, n)
-    chunk = padded // n
+    total = inputs[0].numel()
+    numels = [total] if numels is None else list(numels)
+    if sum(numels) != total:
+        raise ValueError(f"numels {numels} add up to {sum(numels)}, the inputs have {total} elements")
+    layout = SegmentLayout.build(numels, n, scale_block_size)
+    padded, edges = layout.padded, layout.edges
     if worker_errors is None:
         worker_errors = [torch.zeros(padded) for _ in range(n)]
     if server_errors is None:
-        server_errors = [torch.zeros(chunk) for _ in range(n)]
+        server_errors = [torch.zeros(padded // n) for _ in range(n)]
 
-    new_worker_errors, worker_signs, worker_scales = [], [], []
+    # Each rank's input in the padded layout: every tensor at its start, zeros in the padding.
+    xs = []
     for i in range(n):
-        x = torch.zeros(padded)
-        x[:numel] = inputs[i].detach().float().cpu().reshape(-1)
-        b = x + worker_errors[i].cpu()
-        s = _rms(b)
-        q = _sign(b)
-        worker_scales.append(s)
-        worker_signs.append(q)
-        new_worker_errors.append(b - s * q)
+        x, flat, offset = torch.zeros(padded), inputs[i].detach().float().cpu().reshape(-1), 0
+        for start, numel in zip(layout.starts, numels):
+            x[start:start + numel] = flat[offset:offset + numel]
+            offset += numel
+        xs.append(x)
 
-    new_server_errors, server_scales, server_signs = [], [], []
-    for j in range(n):
-        part = slice(j * chunk, (j + 1) * chunk)
-        total = worker_scales[0] * worker_signs[0][part]
-        for i in range(1, n):
-            total = total + worker_scales[i] * worker_signs[i][part]
-        c = total / n + server_errors[j].cpu()
-        s = _rms(c)
-        r = _sign(c)
-        server_scales.append(s)
-        server_signs.append(r)
-        new_server_errors.append(c - s * r)
-
-    full = torch.cat([server_scales[j] * server_signs[j] for j in range(n)])
+    new_worker_errors = [torch.zeros(padded) for _ in range(n)]
+    worker_signs = [torch.zeros(padded) for _ in range(n)]
+    new_server_errors = [torch.zeros(padded // n) for _ in range(n)]
+    server_signs = torch.zeros(padded)
+    full = torch.zeros(padded)
+    k = len(edges) - 1
+    worker_scales, server_scales = torch.zeros(n, k), torch.zeros(n, k)
+    for seg, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        for i in range(n):  # every rank as worker, on this segment alone
+            b = xs[i][lo:hi] + worker_errors[i][lo:hi].cpu()
+            s, q = _rms(b), _sign(b)
+            worker_scales[i, seg] = s
+            worker_signs[i][lo:hi] = q
+            new_worker_errors[i][lo:hi] = b - s * q
+        chunk = (hi - lo) // n
+        for j in range(n):  # server j: chunk j of this segment
+            part = slice(lo + j * chunk, lo + (j + 1) * chunk)
+            mine = slice(lo // n, lo // n + chunk)  # where that chunk lies in server j's buffer
+            total_j = worker_scales[0, seg] * worker_signs[0][part]
+            for i in range(1, n):
+                total_j = total_j + worker_scales[i, seg] * worker_signs[i][part]
+            c = total_j / n + server_errors[j][mine].cpu()
+            s, r = _rms(c), _sign(c)
+            server_scales[j, seg] = s
+            server_signs[part] = r
+            new_server_errors[j][mine] = c - s * r
+            full[part] = s * r
+    output = torch.cat([full[start:start + numel] for start, numel in zip(layout.starts, numels)])
     return SimulationResult(
-        output=full[:numel],
+        output=output,
         worker_errors=new_worker_errors,
         server_errors=new_server_errors,
-        worker_scales=torch.stack(worker_scales),
+        worker_scales=worker_scales,
         worker_signs=worker_signs,
-        server_scales=torch.stack(server_scales),
-        server_signs=torch.cat(server_signs),
+        server_scales=server_scales,
+        server_signs=server_signs,
     )
