@@ -15,6 +15,22 @@
 //   Squares of floats are exact in double, so the order is all that matters, and it is the same
 //   as on the CPU: the scale is bit-identical, not merely within a tolerance.
 //
+// Segments. A buffer of M elements is cut by its segment table bounds = [0, o_1, ..., M] into k
+// segments, each a multiple of 8 n elements (n ranks), each with its own scale (blocks aligned to
+// the segment's start, the last block of a segment partial). Chunk j of segment i (L_i elements)
+// travels in wire row j at element o_i / n. One launch covers every segment, so the number of
+// launches per call does not grow with k; the host builds these tables once per distinct
+// segment table (onebit/kernels/cuda.py keeps their device copies):
+//
+// * bounds: the k + 1 element offsets (the server's are the worker's divided by n);
+// * blocks: 3 entries per 1024-element block of every segment, segment by segment: the block's
+//   first element, its segment's end (elements past it are the zero padding) and its segment;
+// * one group table per tree level: 2 entries per group of at most 32 values, the input range
+//   [lo, hi) within one segment's values (each segment's list, padded with +0.0 to a multiple of
+//   32, is cut into aligned groups: exactly the pairwise tree). Group g writes output g, so the
+//   outputs are again grouped by segment; the levels go on until every segment has one value,
+//   and the last level (k groups, group i = segment i) writes the float32 scales.
+//
 // Every kernel is a per-thread *body* (a __host__ __device__ function of the thread index, with
 // no shared memory, shuffles or atomics) plus a one-line __global__ wrapper. Compiled as plain
 // C++ (g++ -x c++, no __CUDACC__), this file instead defines host launchers host_<kernel>(nthreads,
@@ -73,12 +89,13 @@ ONEBIT_HD int onebit_bit_of(const onebit_u8* row, onebit_i64 i) { return (row[i 
 
 ONEBIT_HD float onebit_worker_value(const float* x, const float* e, onebit_i64 i) { return ONEBIT_FADD(x[i], e[i]); }
 
-// c = (sum_r q_r s_r) / nrows + e, in rank order.
+// c = (sum_r q_r s_r) / nrows + e, in rank order; rank r's scale is scales[r * scale_stride] (the
+// caller points scales at its segment's column of the (nrows, k) table and passes k).
 ONEBIT_HD float onebit_server_value(const onebit_u8* signs, onebit_i64 sign_stride, const float* scales,
-                                    onebit_i64 nrows, const float* e, onebit_i64 i) {
+                                    onebit_i64 scale_stride, onebit_i64 nrows, const float* e, onebit_i64 i) {
     float acc = 0.0f;
     for (onebit_i64 r = 0; r < nrows; ++r) {
-        const float s = scales[r];
+        const float s = scales[r * scale_stride];
         const float v = onebit_bit_of(signs + r * sign_stride, i) ? s : -s;
         acc = r == 0 ? v : ONEBIT_FADD(acc, v);
     }
@@ -94,46 +111,87 @@ ONEBIT_HD float onebit_scale_from_sumsq(double sumsq, onebit_i64 count) {
     return ONEBIT_D2F(ONEBIT_DSQRT(ONEBIT_DDIV(sumsq, (double)count)));
 }
 
+// The segment holding element i: the largest s in [0, nseg) with bounds[s] <= i (bounds has
+// nseg + 1 entries, bounds[0] = 0 <= i < bounds[nseg]).
+//
+// Why a binary search over the bounds rather than a table per byte or per thread block: the table
+// stays k + 1 entries (a per-byte table would be as large as the packed signs and cost its own
+// memory traffic on every call), the search is ceil(log2 k) loads (none for one segment, 10 for
+// 1,000 segments), and the threads of a warp handle 256 consecutive elements, so they nearly always
+// load the same entries: broadcasts from L1, no extra DRAM traffic. The pack and decode kernels are
+// bound by memory bandwidth (32 to 64 bytes per thread), which these few cached loads do not change.
+ONEBIT_HD onebit_i64 onebit_segment_of(const onebit_i64* bounds, onebit_i64 nseg, onebit_i64 i) {
+    onebit_i64 lo = 0, hi = nseg;  // invariant: bounds[lo] <= i < bounds[hi]
+    while (hi - lo > 1) {
+        const onebit_i64 mid = lo + (hi - lo) / 2;
+        if (bounds[mid] <= i) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+// Where byte t of a buffer of M = 8 * nbytes elements cut by bounds goes on the wire: segment s,
+// row j (the chunk of the segment holding it) and column col of that row. Chunk j of segment s
+// (L = (o_{s+1} - o_s) / nrows elements, L / 8 bytes) lies at row bytes o_s / (8 nrows) + p.
+ONEBIT_HD void onebit_wire_position(const onebit_i64* bounds, onebit_i64 nseg, onebit_i64 nrows, onebit_i64 t,
+                                    onebit_i64* s, onebit_i64* j, onebit_i64* col) {
+    *s = onebit_segment_of(bounds, nseg, t * 8);
+    const onebit_i64 lo = bounds[*s];
+    const onebit_i64 chunk_bytes = (bounds[*s + 1] - lo) / (8 * nrows);
+    const onebit_i64 local = t - lo / 8;
+    *j = local / chunk_bytes;
+    *col = lo / (8 * nrows) + (local - *j * chunk_bytes);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Kernel bodies: t is the global thread index; each returns at once when t is out of range.
 
-// Thread t = 32k + l computes lane l of block k of the blocked sum of squares of b = x + e.
-ONEBIT_HD void onebit_worker_sumsq_body(onebit_i64 t, const float* x, const float* e, onebit_i64 n,
-                                        double* lanes, onebit_i64 nlanes) {
-    if (t >= nlanes) return;
-    const onebit_i64 first = (t / ONEBIT_LANES) * ONEBIT_BLOCK + t % ONEBIT_LANES;
+// Thread t = 32b + l computes lane l of block b of the block table (start, end, segment) of the
+// blocked sum of squares of v = x + e: sum of v[start + 32j + l]^2 over j = 0..31, below end.
+ONEBIT_HD void onebit_worker_sumsq_body(onebit_i64 t, const float* x, const float* e, const onebit_i64* blocks,
+                                        onebit_i64 nblocks, double* lanes) {
+    if (t >= nblocks * ONEBIT_LANES) return;
+    const onebit_i64* block = blocks + 3 * (t / ONEBIT_LANES);
+    const onebit_i64 first = block[0] + t % ONEBIT_LANES, end = block[1];
     double acc = 0.0;
     for (int j = 0; j < ONEBIT_STEPS; ++j) {
         const onebit_i64 i = first + (onebit_i64)j * ONEBIT_LANES;
-        if (i < n) acc = ONEBIT_DADD(acc, onebit_square(onebit_worker_value(x, e, i)));
+        if (i < end) acc = ONEBIT_DADD(acc, onebit_square(onebit_worker_value(x, e, i)));
     }
     lanes[t] = acc;
 }
 
-// The same for the server's c.
+// The same for the server's c (block table over the server's chunk; scales is the (nrows, nseg)
+// table of the ranks' scales, the block's segment picks the column).
 ONEBIT_HD void onebit_server_sumsq_body(onebit_i64 t, const onebit_u8* signs, onebit_i64 sign_stride,
-                                        const float* scales, onebit_i64 nrows, const float* e, onebit_i64 n,
-                                        double* lanes, onebit_i64 nlanes) {
-    if (t >= nlanes) return;
-    const onebit_i64 first = (t / ONEBIT_LANES) * ONEBIT_BLOCK + t % ONEBIT_LANES;
+                                        const float* scales, onebit_i64 nrows, onebit_i64 nseg, const float* e,
+                                        const onebit_i64* blocks, onebit_i64 nblocks, double* lanes) {
+    if (t >= nblocks * ONEBIT_LANES) return;
+    const onebit_i64* block = blocks + 3 * (t / ONEBIT_LANES);
+    const onebit_i64 first = block[0] + t % ONEBIT_LANES, end = block[1];
+    const float* column = scales + block[2];
     double acc = 0.0;
     for (int j = 0; j < ONEBIT_STEPS; ++j) {
         const onebit_i64 i = first + (onebit_i64)j * ONEBIT_LANES;
-        if (i < n) acc = ONEBIT_DADD(acc, onebit_square(onebit_server_value(signs, sign_stride, scales, nrows, e, i)));
+        if (i < end) {
+            const float c = onebit_server_value(signs, sign_stride, column, nseg, nrows, e, i);
+            acc = ONEBIT_DADD(acc, onebit_square(c));
+        }
     }
     lanes[t] = acc;
 }
 
-// Thread t reduces in[32t .. 32t+31] (zeros past n) by the adjacent pairwise tree into out[t];
-// with a scale pointer and a single output, it also writes float(sqrt(sum / count)).
-ONEBIT_HD void onebit_tree_sum_body(onebit_i64 t, const double* in, onebit_i64 n, double* out, onebit_i64 nout,
-                                    onebit_i64 count, float* scale) {
-    if (t >= nout) return;
+// Thread t reduces in[lo .. hi) (groups[2t], groups[2t + 1]: at most 32 values of one segment,
+// zeros past hi) by the adjacent pairwise tree into out[t]. On the last level (scales not null,
+// one group per segment) it also writes scales[t] = float(sqrt(sum / counts[t])).
+ONEBIT_HD void onebit_tree_sum_body(onebit_i64 t, const double* in, const onebit_i64* groups, onebit_i64 ngroups,
+                                    double* out, const onebit_i64* counts, float* scales) {
+    if (t >= ngroups) return;
+    const onebit_i64 lo = groups[2 * t], hi = groups[2 * t + 1];
     double v[ONEBIT_TREE_GROUP];
     ONEBIT_UNROLL
     for (int k = 0; k < ONEBIT_TREE_GROUP; ++k) {
-        const onebit_i64 i = t * ONEBIT_TREE_GROUP + k;
-        v[k] = i < n ? in[i] : 0.0;
+        const onebit_i64 i = lo + k;
+        v[k] = i < hi ? in[i] : 0.0;
     }
     // Levels of widths 16, 8, 4, 2, 1 (ONEBIT_TREE_GROUP = 32), each loop with a constant bound
     // so that the array stays in registers.
@@ -147,36 +205,48 @@ ONEBIT_HD void onebit_tree_sum_body(onebit_i64 t, const double* in, onebit_i64 n
     for (int k = 0; k < 2; ++k) v[k] = ONEBIT_DADD(v[2 * k], v[2 * k + 1]);
     v[0] = ONEBIT_DADD(v[0], v[1]);
     out[t] = v[0];
-    if (scale != 0 && nout == 1) *scale = onebit_scale_from_sumsq(v[0], count);
+    if (scales != 0) scales[t] = onebit_scale_from_sumsq(v[0], counts[t]);
 }
 
-// Thread t writes output byte t (at packed + (t / row_len) * row_stride + t % row_len) and the
-// errors of elements 8t .. 8t+7, given the scale at *scale.
-ONEBIT_HD void onebit_worker_pack_body(onebit_i64 t, const float* x, float* e, onebit_i64 nbytes, const float* scale,
-                                       onebit_u8* packed, onebit_i64 row_len, onebit_i64 row_stride) {
+// Thread t packs elements 8t .. 8t+7 of x + e (M = 8 * nbytes elements cut by bounds, nrows wire
+// rows of nbytes / nrows bytes) into their wire byte, row j column col, at
+// packed + (lin / row_len) * row_stride + lin % row_len with lin = j * (nbytes / nrows) + col, and
+// writes their errors with the scale of their segment.
+ONEBIT_HD void onebit_worker_pack_body(onebit_i64 t, const float* x, float* e, onebit_i64 nbytes,
+                                       const onebit_i64* bounds, onebit_i64 nseg, onebit_i64 nrows,
+                                       const float* scales, onebit_u8* packed, onebit_i64 row_len,
+                                       onebit_i64 row_stride) {
     if (t >= nbytes) return;
-    const float s = *scale;
+    onebit_i64 s, j, col;
+    onebit_wire_position(bounds, nseg, nrows, t, &s, &j, &col);
+    const float scale = scales[s];
     int byte = 0;
-    for (int j = 0; j < 8; ++j) {
-        const onebit_i64 i = t * 8 + j;
+    for (int k = 0; k < 8; ++k) {
+        const onebit_i64 i = t * 8 + k;
         const float v = onebit_worker_value(x, e, i);
         const int bit = onebit_sign_bit(v);
         byte = (byte << 1) | bit;
-        e[i] = onebit_error(v, bit, s);
+        e[i] = onebit_error(v, bit, scale);
     }
-    packed[(t / row_len) * row_stride + t % row_len] = (onebit_u8)byte;
+    const onebit_i64 lin = j * (nbytes / nrows) + col;
+    packed[(lin / row_len) * row_stride + lin % row_len] = (onebit_u8)byte;
 }
 
+// Thread t computes c for elements 8t .. 8t+7 of the server's chunk (cut by the server's bounds;
+// scales the (nrows, nseg) ranks' scales, server_scales the k scales of c), packs sign(c) into
+// byte t (the same position as in the signs rows) and writes the errors.
 ONEBIT_HD void onebit_server_pack_body(onebit_i64 t, const onebit_u8* signs, onebit_i64 sign_stride,
                                        const float* scales, onebit_i64 nrows, float* e, onebit_i64 nbytes,
-                                       const float* scale, onebit_u8* packed, onebit_i64 row_len,
-                                       onebit_i64 row_stride) {
+                                       const onebit_i64* bounds, onebit_i64 nseg, const float* server_scales,
+                                       onebit_u8* packed, onebit_i64 row_len, onebit_i64 row_stride) {
     if (t >= nbytes) return;
-    const float s = *scale;
+    const onebit_i64 seg = onebit_segment_of(bounds, nseg, t * 8);
+    const float s = server_scales[seg];
+    const float* column = scales + seg;
     int byte = 0;
-    for (int j = 0; j < 8; ++j) {
-        const onebit_i64 i = t * 8 + j;
-        const float v = onebit_server_value(signs, sign_stride, scales, nrows, e, i);
+    for (int k = 0; k < 8; ++k) {
+        const onebit_i64 i = t * 8 + k;
+        const float v = onebit_server_value(signs, sign_stride, column, nseg, nrows, e, i);
         const int bit = onebit_sign_bit(v);
         byte = (byte << 1) | bit;
         e[i] = onebit_error(v, bit, s);
@@ -184,17 +254,20 @@ ONEBIT_HD void onebit_server_pack_body(onebit_i64 t, const onebit_u8* signs, one
     packed[(t / row_len) * row_stride + t % row_len] = (onebit_u8)byte;
 }
 
-// Thread t decodes byte t of the (nrows, row_bytes) signs (rows sign_stride apart) into
-// out[8t .. 8t+7] with its row's scale; where bit (7 - j) of keep[t] is clear (keep not null),
-// out is +0.0 instead.
-ONEBIT_HD void onebit_decode_body(onebit_i64 t, const onebit_u8* signs, onebit_i64 sign_stride, onebit_i64 row_bytes,
-                                  const float* scales, const onebit_u8* keep, onebit_i64 nbytes, float* out) {
+// Thread t decodes out[8t .. 8t+7] (M = 8 * nbytes elements cut by bounds): the wire byte of row j
+// (rows sign_stride apart) and column col that holds them, times scales[j * nseg + s] of server j
+// for segment s; where bit (7 - k) of keep[t] is clear (keep not null), out is +0.0 instead.
+ONEBIT_HD void onebit_decode_body(onebit_i64 t, const onebit_u8* signs, onebit_i64 sign_stride, const float* scales,
+                                  onebit_i64 nrows, const onebit_i64* bounds, onebit_i64 nseg, const onebit_u8* keep,
+                                  onebit_i64 nbytes, float* out) {
     if (t >= nbytes) return;
-    const onebit_i64 r = t / row_bytes;
-    const int byte = signs[r * sign_stride + t % row_bytes];
+    onebit_i64 s, j, col;
+    onebit_wire_position(bounds, nseg, nrows, t, &s, &j, &col);
+    const int byte = signs[j * sign_stride + col];
     const int kept = keep ? keep[t] : 0xff;
-    const float s = scales[r];
-    for (int j = 0; j < 8; ++j) out[t * 8 + j] = ((kept >> (7 - j)) & 1) ? (((byte >> (7 - j)) & 1) ? s : -s) : 0.0f;
+    const float scale = scales[j * nseg + s];
+    for (int k = 0; k < 8; ++k)
+        out[t * 8 + k] = ((kept >> (7 - k)) & 1) ? (((byte >> (7 - k)) & 1) ? scale : -scale) : 0.0f;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -215,24 +288,26 @@ ONEBIT_HD void onebit_decode_body(onebit_i64 t, const onebit_u8* signs, onebit_i
 #endif
 
 ONEBIT_KERNEL(onebit_worker_sumsq,
-              (const float* x, const float* e, onebit_i64 n, double* lanes, onebit_i64 nlanes),
-              (x, e, n, lanes, nlanes))
+              (const float* x, const float* e, const onebit_i64* blocks, onebit_i64 nblocks, double* lanes),
+              (x, e, blocks, nblocks, lanes))
 ONEBIT_KERNEL(onebit_server_sumsq,
-              (const onebit_u8* signs, onebit_i64 sign_stride, const float* scales, onebit_i64 nrows, const float* e,
-               onebit_i64 n, double* lanes, onebit_i64 nlanes),
-              (signs, sign_stride, scales, nrows, e, n, lanes, nlanes))
+              (const onebit_u8* signs, onebit_i64 sign_stride, const float* scales, onebit_i64 nrows, onebit_i64 nseg,
+               const float* e, const onebit_i64* blocks, onebit_i64 nblocks, double* lanes),
+              (signs, sign_stride, scales, nrows, nseg, e, blocks, nblocks, lanes))
 ONEBIT_KERNEL(onebit_tree_sum,
-              (const double* in, onebit_i64 n, double* out, onebit_i64 nout, onebit_i64 count, float* scale),
-              (in, n, out, nout, count, scale))
+              (const double* in, const onebit_i64* groups, onebit_i64 ngroups, double* out, const onebit_i64* counts,
+               float* scales),
+              (in, groups, ngroups, out, counts, scales))
 ONEBIT_KERNEL(onebit_worker_pack,
-              (const float* x, float* e, onebit_i64 nbytes, const float* scale, onebit_u8* packed, onebit_i64 row_len,
-               onebit_i64 row_stride),
-              (x, e, nbytes, scale, packed, row_len, row_stride))
+              (const float* x, float* e, onebit_i64 nbytes, const onebit_i64* bounds, onebit_i64 nseg, onebit_i64 nrows,
+               const float* scales, onebit_u8* packed, onebit_i64 row_len, onebit_i64 row_stride),
+              (x, e, nbytes, bounds, nseg, nrows, scales, packed, row_len, row_stride))
 ONEBIT_KERNEL(onebit_server_pack,
               (const onebit_u8* signs, onebit_i64 sign_stride, const float* scales, onebit_i64 nrows, float* e,
-               onebit_i64 nbytes, const float* scale, onebit_u8* packed, onebit_i64 row_len, onebit_i64 row_stride),
-              (signs, sign_stride, scales, nrows, e, nbytes, scale, packed, row_len, row_stride))
+               onebit_i64 nbytes, const onebit_i64* bounds, onebit_i64 nseg, const float* server_scales,
+               onebit_u8* packed, onebit_i64 row_len, onebit_i64 row_stride),
+              (signs, sign_stride, scales, nrows, e, nbytes, bounds, nseg, server_scales, packed, row_len, row_stride))
 ONEBIT_KERNEL(onebit_decode,
-              (const onebit_u8* signs, onebit_i64 sign_stride, onebit_i64 row_bytes, const float* scales,
-               const onebit_u8* keep, onebit_i64 nbytes, float* out),
-              (signs, sign_stride, row_bytes, scales, keep, nbytes, out))
+              (const onebit_u8* signs, onebit_i64 sign_stride, const float* scales, onebit_i64 nrows,
+               const onebit_i64* bounds, onebit_i64 nseg, const onebit_u8* keep, onebit_i64 nbytes, float* out),
+              (signs, sign_stride, scales, nrows, bounds, nseg, keep, nbytes, out))

@@ -6,11 +6,20 @@ folder of the repository, mapped in ``pyproject.toml``) and is read with :mod:`i
 CuPy is optional and imported only when these kernels are first wanted
 (``pip install "onebit[cuda12]"`` or ``"onebit[cuda13]"``).
 
-One worker call is ``2 + ceil(log32(n / 32))`` launches: the lane sums of the blocked sum of squares
-(see :mod:`onebit.kernels.blocked`), trees of 32 until one value is left (the last launch also
-writes the float32 scale into device memory), then the pack and error update, which reads the
-scale from device memory. Nothing waits for the device: no synchronize, no ``.item()``; the scale
-is returned as a 0-d CUDA tensor. The server call has the same shape; decode is one launch.
+Every operation takes a segment table (``bounds``, as in :mod:`onebit.kernels.reference`) and
+covers all its segments in the same launches, so the launch count does not grow with the number
+of segments. One worker call is ``2 + T`` launches: the lane sums of the blocked sum of squares of
+every 1024-element block of every segment (see :mod:`onebit.kernels.blocked`), ``T`` levels of
+trees of 32 within each segment (``T = 1 + ceil(log32(B))`` for ``B`` blocks in the largest segment:
+1 up to 1,024 elements, 2 up to 32,768, 3 up to 2**20, 4 up to 2**25), the last of which writes
+the ``k`` float32 scales into device memory, then the pack and error update, which reads them
+there. The server call has the same shape over its chunk; decode is one launch.
+
+The kernels find their way through the segments with small int64 tables (the bounds, a table of
+blocks, a table of tree groups per level, see the ``.cu`` file), built on the host once per
+distinct segment table and device, copied to the device once and kept in the codec: after the
+first call with a table nothing is copied to the device and nothing waits for it (no synchronize,
+no ``.item()``); the scales are returned as a ``(k,)`` tensor on the device.
 
 The launch sequence below is written against a ``launch(name, nthreads, *args)`` function, so the
 tests run it on the CPU over the same kernel bodies compiled for the host (see the ``.cu`` file).
@@ -19,6 +28,7 @@ tests run it on the CPU over the same kernel bodies compiled for the host (see t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from . import KernelSet, register
-from ._layout import byte_rows, check_decode, check_server, check_worker, flat_float
+from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, flat_float
 from .blocked import BLOCK, LANES
 
 logger = logging.getLogger(__name__)
@@ -68,72 +78,158 @@ def kernel_source() -> str:
         raise RuntimeError(f"the CUDA source {SOURCE_NAME} is missing from the installed onebit package") from exc
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """The device tables of one segment table ``[0, o_1, ..., M]`` over a flat buffer (views into
+    one int64 device tensor, copied from the host once)."""
+
+    segments: int  # k
+    bounds: torch.Tensor  # (k + 1,) element offsets
+    counts: torch.Tensor  # (k,) elements per segment (the scale's divisor)
+    blocks: torch.Tensor  # (3 B,) first element, segment end, segment of every 1024-element block
+    nblocks: int  # B
+    levels: tuple[tuple[torch.Tensor, int], ...]  # per tree level: (2 G,) input ranges [lo, hi), G
+
+
+def _repeat(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(values, counts)
+
+
+def _build_plan(edges: list[int], device: torch.device) -> _Plan:
+    """The tables the kernels read for the segment table ``edges`` (see the ``.cu`` file).
+
+    Blocks: segment ``i`` (``n_i`` elements) has ``ceil(n_i / 1024)`` blocks starting at its first
+    element, listed segment by segment. Tree levels: level 0 reads the ``32`` lane sums of every
+    block (segment ``i``'s ``32 ceil(n_i / 1024)`` values, contiguous); each level cuts every
+    segment's values into aligned groups of at most 32 (one group per thread, output ``g`` for group
+    ``g``, so the outputs stay grouped by segment) until every segment has a single value: then the
+    level has ``k`` groups, group ``i`` being segment ``i``, and writes the scales."""
+    e = torch.tensor(edges, dtype=torch.int64)
+    k = e.numel() - 1
+    seg_ids = torch.arange(k, dtype=torch.int64)
+    lens = e[1:] - e[:-1]
+    per_seg = (lens + BLOCK - 1) // BLOCK
+    block_seg = _repeat(seg_ids, per_seg)
+    first_block = torch.cumsum(per_seg, 0) - per_seg
+    index = torch.arange(block_seg.numel(), dtype=torch.int64)
+    starts = e[:-1][block_seg] + (index - first_block[block_seg]) * BLOCK
+    blocks = torch.stack([starts, e[1:][block_seg], block_seg], dim=1).reshape(-1)
+    parts, levels = [e, lens, blocks], []
+    values = per_seg * LANES  # values per segment at the input of the level
+    while True:
+        # max(1, ...): an empty segment (only a zero-length buffer has one) still gets its group.
+        groups = torch.clamp((values + TREE_GROUP - 1) // TREE_GROUP, min=1)
+        offsets = torch.cumsum(values, 0) - values
+        group_seg = _repeat(seg_ids, groups)
+        first_group = torch.cumsum(groups, 0) - groups
+        within = torch.arange(group_seg.numel(), dtype=torch.int64) - first_group[group_seg]
+        lo = offsets[group_seg] + within * TREE_GROUP
+        hi = offsets[group_seg] + values[group_seg]
+        parts.append(torch.stack([lo, hi], dim=1).reshape(-1))
+        levels.append(group_seg.numel())
+        if group_seg.numel() == k:  # every segment had at most 32 values: one left each
+            break
+        values = groups
+    table = torch.cat(parts).to(device)
+    views, at = [], 0
+    for part in parts:
+        views.append(table[at:at + part.numel()])
+        at += part.numel()
+    return _Plan(segments=k, bounds=views[0], counts=views[1], blocks=views[2], nblocks=block_seg.numel(),
+                 levels=tuple(zip(views[3:], levels)))
+
+
+def _segment_count(bounds: torch.Tensor | None) -> int:
+    """The number of segments a table claims (for the scales' count; check_bounds validates it)."""
+    return bounds.numel() - 1 if isinstance(bounds, torch.Tensor) and bounds.numel() > 1 else 1
+
+
 class CudaCodec:
     """The codec's three operations as launch sequences over a ``launch`` function.
 
     ``launch(name, nthreads, *args)`` runs kernel ``name`` over ``nthreads`` threads; ``args`` are
     tensors (passed as pointers), ``None`` (a null pointer) or ints (``long long``).
+
+    The device tables of every segment table seen are kept, keyed by the table's values and the
+    device (one entry per distinct table: a training run has one per bucket and buffer size);
+    they are never freed, so no kernel still in flight on any stream can read a freed table.
     """
 
     def __init__(self, launch: Launch, device_type: str = "cuda") -> None:
         self.launch = launch
         self.device_type = device_type
+        self._plans: dict[tuple[torch.device, int, tuple[int, ...]], _Plan] = {}
 
-    def _sumsq_to_scale(self, lanes: torch.Tensor, count: int, scale: torch.Tensor) -> None:
-        values, n = lanes, lanes.numel()
-        while True:
-            nout = -(-n // TREE_GROUP)
-            out = torch.empty(nout, dtype=torch.float64, device=lanes.device)
-            self.launch("onebit_tree_sum", nout, values, n, out, nout, count, scale if nout == 1 else None)
-            if nout == 1:
-                return
-            values, n = out, nout
+    def _plan(self, edges: list[int], device: torch.device, divisor: int = 1) -> _Plan:
+        """The device tables of the segment table ``edges / divisor`` (the server's chunk: ``n``)."""
+        key = (device, divisor, tuple(edges))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _build_plan([e // divisor for e in edges], device)
+        return plan
 
-    @staticmethod
-    def _lane_count(n: int) -> int:
-        return max(1, -(-n // BLOCK)) * LANES
+    def _scales(self, lanes: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """Reduce the lane sums level by level; the last level writes the ``(k,)`` scales."""
+        scales = torch.empty(plan.segments, dtype=torch.float32, device=lanes.device)
+        values = lanes
+        last = len(plan.levels) - 1
+        for level, (groups, ngroups) in enumerate(plan.levels):
+            out = torch.empty(ngroups, dtype=torch.float64, device=lanes.device)
+            self.launch("onebit_tree_sum", ngroups, values, groups, ngroups, out, plan.counts,
+                        scales if level == last else None)
+            values = out
+        return scales
 
-    def worker_compress_(self, x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    def worker_compress_(self, x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
+                         bounds: torch.Tensor | None = None) -> torch.Tensor:
         n = check_worker(x, error, packed, self.device_type)
+        nrows = packed.shape[0] if packed.dim() == 2 else 1
+        _, edges = check_bounds(bounds, n, 8 * nrows, "worker_compress_")
+        plan = self._plan(edges, x.device)
         xs, es = flat_float(x), flat_float(error)
         out = byte_rows(packed, output=True)
-        scale = torch.empty((), dtype=torch.float32, device=x.device)
-        nlanes = self._lane_count(n)
-        lanes = torch.empty(nlanes, dtype=torch.float64, device=x.device)
-        self.launch("onebit_worker_sumsq", nlanes, xs, es, n, lanes, nlanes)
-        self._sumsq_to_scale(lanes, n, scale)
-        self.launch("onebit_worker_pack", n // 8, xs, es, n // 8, scale, out.tensor, out.row_len, out.row_stride)
-        out.finish_()
-        if es.data_ptr() != error.data_ptr():
-            error.copy_(es.view(error.shape))
-        return scale
-
-    def server_compress_(self, signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
-                         packed: torch.Tensor) -> torch.Tensor:
-        n = check_server(signs, scales, error, packed, self.device_type)
-        rows = byte_rows(signs, output=False)
-        sc, es = flat_float(scales), flat_float(error)
-        nrows = signs.shape[0]
-        out = byte_rows(packed, output=True)
-        scale = torch.empty((), dtype=torch.float32, device=error.device)
-        nlanes = self._lane_count(n)
-        lanes = torch.empty(nlanes, dtype=torch.float64, device=error.device)
-        self.launch("onebit_server_sumsq", nlanes, rows.tensor, rows.row_stride, sc, nrows, es, n, lanes, nlanes)
-        self._sumsq_to_scale(lanes, n, scale)
-        self.launch("onebit_server_pack", n // 8, rows.tensor, rows.row_stride, sc, nrows, es, n // 8, scale,
+        lanes = torch.empty(plan.nblocks * LANES, dtype=torch.float64, device=x.device)
+        self.launch("onebit_worker_sumsq", plan.nblocks * LANES, xs, es, plan.blocks, plan.nblocks, lanes)
+        scales = self._scales(lanes, plan)
+        self.launch("onebit_worker_pack", n // 8, xs, es, n // 8, plan.bounds, plan.segments, nrows, scales,
                     out.tensor, out.row_len, out.row_stride)
         out.finish_()
         if es.data_ptr() != error.data_ptr():
             error.copy_(es.view(error.shape))
-        return scale
+        return scales
+
+    def server_compress_(self, signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
+                         packed: torch.Tensor, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
+        n = check_server(signs, scales, error, packed, self.device_type, _segment_count(bounds))
+        nrows = signs.shape[0]
+        # The table spans the whole buffer (nrows chunks of n elements); this chunk is cut by bounds / nrows.
+        _, edges = check_bounds(bounds, n * nrows, 8 * nrows, "server_compress_")
+        plan = self._plan(edges, error.device, nrows)
+        rows = byte_rows(signs, output=False)
+        sc, es = flat_float(scales), flat_float(error)
+        out = byte_rows(packed, output=True)
+        lanes = torch.empty(plan.nblocks * LANES, dtype=torch.float64, device=error.device)
+        self.launch("onebit_server_sumsq", plan.nblocks * LANES, rows.tensor, rows.row_stride, sc, nrows,
+                    plan.segments, es, plan.blocks, plan.nblocks, lanes)
+        result = self._scales(lanes, plan)
+        self.launch("onebit_server_pack", n // 8, rows.tensor, rows.row_stride, sc, nrows, es, n // 8, plan.bounds,
+                    plan.segments, result, out.tensor, out.row_len, out.row_stride)
+        out.finish_()
+        if es.data_ptr() != error.data_ptr():
+            error.copy_(es.view(error.shape))
+        return result
 
     def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        check_decode(signs, scales, out, self.device_type, keep)
+                keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
+        check_decode(signs, scales, out, self.device_type, keep, _segment_count(bounds))
+        nrows = signs.shape[0]
+        _, edges = check_bounds(bounds, out.numel(), 8 * nrows, "decode_")
+        plan = self._plan(edges, out.device)
         rows = byte_rows(signs, output=False)
         sc, dst = flat_float(scales), flat_float(out)
         nbytes = signs.shape[0] * signs.shape[1]
-        self.launch("onebit_decode", nbytes, rows.tensor, rows.row_stride, signs.shape[1], sc, keep, nbytes, dst)
+        self.launch("onebit_decode", nbytes, rows.tensor, rows.row_stride, sc, nrows, plan.bounds, plan.segments,
+                    keep, nbytes, dst)
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out
