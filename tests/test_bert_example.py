@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,6 +107,9 @@ def test_pretrain_two_ranks_crosses_freeze_step_and_resumes_bit_for_bit(tmp_path
 
     summary = json.loads((full / "summary.json").read_text())
     assert summary["finished"] and summary["params_in_sync"] and summary["world_size"] == 2
+    assert summary["status"] == "finished" and summary["status_reason"] is None
+    assert summary["final_val_loss_finite"] and summary["skipped_steps"] == 0 and summary["skipped_in_a_row"] == 0
+    assert summary["final_val_loss"] < summary["initial_val_loss"] < summary["val_loss_limit"]
     train = _records(full, "train")
     assert [(r["step"], r["phase"]) for r in train] == [
         (2, "warmup"), (4, "warmup"), (6, "compression"), (8, "compression")]
@@ -121,7 +126,9 @@ def test_pretrain_two_ranks_crosses_freeze_step_and_resumes_bit_for_bit(tmp_path
     # Interrupted in the compression phase (at step 5), then resumed: each rank restores its own
     # compression errors, so the resumed run must end bit for bit where the uninterrupted one did.
     bert_compare.launch([*common, "--out", str(resumed), "--stop-at", "5"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
-    assert "final_val_loss" not in json.loads((resumed / "summary.json").read_text())
+    stopped = json.loads((resumed / "summary.json").read_text())
+    assert "final_val_loss" not in stopped and stopped["final_val_loss_finite"] is None
+    assert stopped["status"] == "stopped"
     assert (resumed / "checkpoint.pt.rank1").is_file()
     bert_compare.launch([*common, "--out", str(resumed), "--resume"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
     log = (resumed / "rank0.log").read_text()
@@ -129,6 +136,8 @@ def test_pretrain_two_ranks_crosses_freeze_step_and_resumes_bit_for_bit(tmp_path
     again = json.loads((resumed / "summary.json").read_text())
     assert again["final_val_loss"] == summary["final_val_loss"]
     assert again["params_in_sync"]
+    # The step-0 loss (the reference of the divergence rule) comes back from the checkpoint.
+    assert again["status"] == "finished" and again["initial_val_loss"] == summary["initial_val_loss"]
     # A restarted optimizer adds a few bytes of one-off checks (a layout hash) to its first step.
     for phase in ("warmup", "compression"):
         assert abs(again["bytes_sent"][phase] - summary["bytes_sent"][phase]) <= 64
@@ -153,3 +162,138 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     factors = [pretrain.lr_factor(step, 100, 10, 0.1) for step in range(1, 101)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == 1.0
     assert all(a >= b for a, b in zip(factors[9:], factors[10:])) and factors[-1] == pytest.approx(0.1)
+
+
+# ----------------------------------------------------------------------------- param groups
+
+
+def test_default_param_groups_are_decay_and_no_decay():
+    args = pretrain.parse_args(["--out", "unused"])
+    assert args.param_groups == "decay"
+    assert pretrain.parse_args(["--out", "unused", "--param-groups", "per-tensor"]).param_groups == "per-tensor"
+
+    model = pretrain.build_model("micro", 64, "sdpa")
+    names = {p: name for name, p in model.named_parameters()}
+    no_decay = {name for name in names.values() if name.endswith(".bias") or "LayerNorm" in name}
+    assert any("LayerNorm.weight" in name for name in no_decay) and any("dense.bias" in name for name in no_decay)
+
+    decay_group, no_decay_group = pretrain.param_groups(model)  # the default: two groups
+    assert "weight_decay" not in decay_group  # the config's weight_decay
+    assert no_decay_group["weight_decay"] == 0.0
+    assert {names[p] for p in no_decay_group["params"]} == no_decay
+    assert {names[p] for p in decay_group["params"]} == set(names.values()) - no_decay
+    assert all(p.dim() == 2 for p in decay_group["params"])  # matrices and embedding tables
+
+    per_tensor = pretrain.param_groups(model, per_tensor=True)
+    assert all(len(group["params"]) == 1 for group in per_tensor) and len(per_tensor) == len(names)
+    assert {names[g["params"][0]] for g in per_tensor if g.get("weight_decay") == 0.0} == no_decay
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def test_judge_run_flags_non_finite_exploded_and_stalled_runs():
+    judge = pretrain.judge_run
+    ln_v = math.log(8192)
+    assert judge([(0, 9.1), (50, 6.0), (100, 5.2)], 8192, True) == ("finished", None)
+    assert judge([(0, 9.1), (50, 6.0)], 8192, False) == ("stopped", None)
+    # The reported run (DeepSpeed's defaults): 7.8 at step 150 is bad but not exploded; 402 is.
+    status, reason = judge([(0, 9.1), (150, 7.8), (250, 402.0), (300, 390.0)], 8192, True, skipped_in_a_row=306)
+    assert status == "diverged"
+    assert "val loss 402 at step 250 > 10.10" in reason and "step 300" in reason and "last 306 steps" in reason
+    # Exploded once, even if it came down again.
+    assert judge([(0, 9.1), (50, 11.0), (100, 5.0)], 8192, True)[0] == "diverged"
+    # The limit: max(ln V, initial) + 1 nat.
+    limit = pretrain.val_loss_limit(8192, 9.1)
+    assert limit == pytest.approx(9.1 + pretrain.EXPLODED_MARGIN)
+    assert pretrain.val_loss_limit(8192, None) == pytest.approx(ln_v + pretrain.EXPLODED_MARGIN)
+    assert pretrain.val_loss_limit(8192, math.nan) == pytest.approx(ln_v + pretrain.EXPLODED_MARGIN)
+    assert judge([(0, 9.1), (50, limit - 1e-3)], 8192, True)[0] == "finished"
+    assert judge([(0, 9.1), (50, limit + 1e-3)], 8192, True)[0] == "diverged"
+    for bad in (math.nan, math.inf):
+        status, reason = judge([(0, 9.1), (50, 6.0), (100, bad)], 8192, True)
+        assert status == "diverged" and "at step 100 is not finite" in reason
+    stalled = pretrain.STALLED_STEPS
+    assert judge([(0, 9.1), (100, 5.0)], 8192, True, skipped_in_a_row=stalled - 1)[0] == "finished"
+    assert judge([(0, 9.1), (100, 5.0)], 8192, True, skipped_in_a_row=stalled)[0] == "diverged"
+
+
+def _fake_run(run_dir: Path, steps: int, final_val_loss: float, status: str, reason: str | None = None,
+              skipped: int = 0) -> None:
+    """The files pretrain.py leaves in a run directory, as compare.py reads them."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stats = {phase: {"bytes_sent": 1000 * n, "steps": n, "skipped_steps": 0} for phase, n in
+             (("warmup", steps // 2), ("compression", steps - steps // 2))}
+    summary = {"step": steps, "finished": True, "wall_s": 1.0, "world_size": 2, "freeze_step": steps // 2,
+               "bytes_sent": {phase: stats[phase]["bytes_sent"] for phase in stats}, "comm_stats": stats,
+               "final_val_loss": final_val_loss, "final_val_loss_finite": math.isfinite(final_val_loss),
+               "skipped_steps": skipped, "skipped_in_a_row": skipped, "initial_val_loss": 6.0, "val_loss_limit": 7.0,
+               "status": status, "status_reason": reason, "params_in_sync": True}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    records = [{"event": "eval", "step": 0, "val_loss": 6.0}]
+    records += [{"event": "train", "step": s, "loss": 6.0 - 0.1 * s if status == "finished" else 10.0 ** s,
+                 "bytes_sent": 1000 * s} for s in range(1, steps + 1)]
+    records.append({"event": "eval", "step": steps, "val_loss": final_val_loss})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_compare_marks_a_diverged_run_and_exits_non_zero(tmp_path, monkeypatch, capsys):
+    def fake_launch(script_args, world_size, log_dir, **kwargs):
+        run_dir = Path(script_args[script_args.index("--out") + 1])
+        if run_dir.name == "adam":
+            _fake_run(run_dir, 8, 5.2, "finished")
+        else:
+            _fake_run(run_dir, 8, math.nan, "diverged", "val loss 402 at step 4 > 7.00 = max(ln 512, initial 6.00) + 1",
+                      skipped=3)
+
+    monkeypatch.setattr(bert_compare, "launch", fake_launch)
+    comparison = bert_compare.main(["--steps", "8", "--out", str(tmp_path), "--quiet"])
+    assert bert_compare.exit_status(comparison) == 1
+    assert comparison["failed_runs"] == ["onebit"]
+    printed = capsys.readouterr()
+    rows = {line.split("  ")[0]: line for line in printed.out.splitlines()}
+    assert rows["Adam"].endswith("ok") and "DIVERGED" not in rows["Adam"]
+    assert rows["1-bit Adam"].endswith("DIVERGED") and " nan " in rows["1-bit Adam"]
+    assert "DIVERGED: 1-bit Adam: val loss 402 at step 4" in printed.out
+    assert "did not finish normally" in printed.err
+    saved = json.loads((tmp_path / "comparison.json").read_text())
+    assert saved["adam"]["status"] == "finished" and saved["adam"]["final_val_loss"] == 5.2
+    assert saved["onebit"]["status"] == "diverged" and math.isnan(saved["onebit"]["final_val_loss"])
+    assert saved["onebit"]["skipped_steps"] == 3
+    assert (tmp_path / "comparison.png").stat().st_size > 0
+
+    # Both finished: exit status 0, no marker.
+    def fine_launch(script_args, world_size, log_dir, **kwargs):
+        _fake_run(Path(script_args[script_args.index("--out") + 1]), 8, 5.2, "finished")
+
+    monkeypatch.setattr(bert_compare, "launch", fine_launch)
+    comparison = bert_compare.main(["--steps", "8", "--out", str(tmp_path / "fine"), "--quiet"])
+    assert bert_compare.exit_status(comparison) == 0 and "DIVERGED" not in capsys.readouterr().out
+
+
+def test_run_status_trusts_no_non_finite_final_loss():
+    assert bert_compare.run_status({"final_val_loss": 5.0, "status": "finished"}) == ("finished", None)
+    assert bert_compare.run_status({"final_val_loss": 5.0}) == ("finished", None)  # a summary from before `status`
+    assert bert_compare.run_status({"final_val_loss": math.inf, "status": "finished"}) == ("diverged", "final val loss inf")
+    assert bert_compare.run_status({"final_val_loss": 5.0, "status": "diverged", "status_reason": "r"}) == ("diverged", "r")
+    assert bert_compare.run_status({"step": 3, "status": "stopped"})[0] == "stopped"
+
+
+def test_compare_exits_1_on_a_real_run_that_blows_up(tmp_path):
+    """Two real 2-rank runs of a micro BERT at lr 1000: both blow up within a few steps."""
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, str(EXAMPLE / "compare.py"), "--steps", "4", "--out", str(out), "--quiet",
+           "--timeout", str(RUN_TIMEOUT_S), "--lr", "1000", "--corpus", "pydoc", "--limit-chars", "80000",
+           "--vocab-size", "512", "--model", "micro", "--seq-len", "32", "--batch-size", "8", "--lr-warmup", "1",
+           "--eval-every", "2", "--log-every", "1", "--checkpoint-every", "0", "--cache-dir", str(tmp_path / "cache")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * RUN_TIMEOUT_S + 30)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "DIVERGED: Adam: val loss" in done.stdout and "DIVERGED: 1-bit Adam: val loss" in done.stdout, done.stdout
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert comparison["failed_runs"] == ["adam", "onebit"]
+    assert (out / "comparison.png").is_file()
+    for name in ("adam", "onebit"):
+        assert comparison[name]["status"] == "diverged"
+        summary = json.loads((out / name / "summary.json").read_text())
+        assert summary["status"] == "diverged" and summary["params_in_sync"]
+        assert "THE RUN DIVERGED" in (out / name / "rank0.log").read_text()

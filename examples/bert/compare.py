@@ -8,12 +8,19 @@ last step, i.e. plain Adam with a full-precision gradient all-reduce every step)
 ``configs/onebit_gloo.json`` and ``freeze_step`` = ``--freeze-fraction`` (20%) of the steps. Writes
 ``OUT/comparison.json``, ``OUT/comparison.png`` (train and validation loss of both, and bytes sent)
 and prints a table. Any other arguments are passed on to ``pretrain.py`` (e.g. ``--model mini``).
+
+A run that diverged (``pretrain.py``'s ``status``: a validation loss that is not finite or blew up
+past ``max(ln(vocab size), initial) + 1`` nats, or training stalled on non-finite gradients; or a
+final loss that is not finite) is marked DIVERGED in the table, with the reason, and
+``comparison.json`` says so in its ``status``; everything is still written, and the script then
+exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -99,13 +106,33 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
+def run_status(summary: dict) -> tuple[str, str | None]:
+    """``(status, reason)`` of a run from its ``summary.json``: ``pretrain.py``'s verdict (``status``
+    and ``status_reason``, see its ``judge_run``), except that a final validation loss that is not
+    finite always makes the run ``"diverged"`` and a missing one makes it ``"stopped"``. Only
+    ``"finished"`` is a run to compare; ``reason`` is ``None`` for it."""
+    loss = summary.get("final_val_loss")
+    if loss is None:
+        return "stopped", f"no final val loss: the run stopped at step {summary.get('step')}"
+    if not math.isfinite(loss):
+        reason = summary.get("status_reason") if summary.get("status") == "diverged" else None
+        return "diverged", reason or f"final val loss {loss}"
+    status = summary.get("status", "finished")
+    return status, (None if status == "finished" else summary.get("status_reason") or status)
+
+
 def summarize(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     stats = summary["comm_stats"]
     per_step = {phase: (stats[phase]["bytes_sent"] / stats[phase]["steps"] if stats[phase]["steps"] else None)
                 for phase in ("warmup", "compression")}
+    status, reason = run_status(summary)
+    skipped = summary.get("skipped_steps", sum(stats[phase].get("skipped_steps", 0) for phase in ("warmup", "compression")))
     return {
-        "final_val_loss": summary["final_val_loss"],
+        "status": status,
+        "status_reason": reason,
+        "final_val_loss": summary.get("final_val_loss", math.nan),
+        "skipped_steps": skipped,
         "bytes_sent": summary["bytes_sent"]["warmup"] + summary["bytes_sent"]["compression"],
         "wall_s": summary["wall_s"],
         "bytes_per_step": per_step,
@@ -115,7 +142,10 @@ def summarize(run_dir: Path) -> dict:
     }
 
 
-def plot(results: dict[str, list[dict]], freeze_step: int, path: Path) -> None:
+def plot(results: dict[str, list[dict]], freeze_step: int, path: Path, status: dict[str, str] | None = None,
+         y_max: float | None = None) -> None:
+    """``status``: run name -> status; a run not ``finished`` gets it in its labels. ``y_max``:
+    cap of the loss axis (a run that blew up leaves the top instead of squashing the others)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,6 +154,9 @@ def plot(results: dict[str, list[dict]], freeze_step: int, path: Path) -> None:
     fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"adam": "tab:blue", "onebit": "tab:orange"}
     labels = {"adam": "Adam", "onebit": "1-bit Adam"}
+    for name, state in (status or {}).items():
+        if state != "finished":
+            labels[name] = f"{labels[name]} ({state.upper()})"
     for name, records in results.items():
         train = [r for r in records if r["event"] == "train"]
         val = [r for r in records if r["event"] == "eval"]
@@ -142,9 +175,12 @@ def plot(results: dict[str, list[dict]], freeze_step: int, path: Path) -> None:
     ax_loss.set_title("Loss: train (thin) and validation (markers)")
     # Zoom on the part after the initial drop, where the two runs differ.
     later = [r["loss"] for records in results.values() for r in records
-             if r["event"] == "train" and r["step"] >= 0.1 * max(x["step"] for x in records)]
+             if r["event"] == "train" and r["step"] >= 0.1 * max(x["step"] for x in records) and math.isfinite(r["loss"])]
     if later:
-        ax_loss.set_ylim(min(later) - 0.05, max(later) + 0.1)
+        low, high = min(later) - 0.05, max(later) + 0.1
+        if y_max is not None and math.isfinite(y_max):
+            high = max(low + 0.1, min(high, y_max))
+        ax_loss.set_ylim(low, high)
     ax_loss.legend()
     ax_bytes.set_ylabel("MiB sent per rank (cumulative)")
     ax_bytes.set_title("Communication")
@@ -154,18 +190,30 @@ def plot(results: dict[str, list[dict]], freeze_step: int, path: Path) -> None:
     plt.close(fig)
 
 
+def failed_runs(comparison: dict) -> list[str]:
+    """The runs of ``comparison`` that did not finish normally (diverged or stopped)."""
+    return [name for name in RUNS if comparison[name].get("status", "finished") != "finished"]
+
+
+def _label(name: str) -> str:
+    return "Adam" if name == "adam" else "1-bit Adam"
+
+
 def table(comparison: dict) -> str:
-    rows = [("", "final val loss", "MiB sent/rank", "KiB/step warmup", "KiB/step compression", "wall s")]
+    rows = [("", "final val loss", "MiB sent/rank", "KiB/step warmup", "KiB/step compression", "wall s", "skipped",
+             "status")]
     for name in RUNS:
         r = comparison[name]
         per = r["bytes_per_step"]
         rows.append((
-            "Adam" if name == "adam" else "1-bit Adam",
+            _label(name),
             f"{r['final_val_loss']:.4f}",
             f"{r['bytes_sent'] / 2**20:,.1f}",
             "-" if per["warmup"] is None else f"{per['warmup'] / 1024:,.1f}",
             "-" if per["compression"] is None else f"{per['compression'] / 1024:,.1f}",
             f"{r['wall_s']:.1f}",
+            str(r.get("skipped_steps", 0)),
+            r.get("status", "finished").upper() if r.get("status", "finished") != "finished" else "ok",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
@@ -174,6 +222,13 @@ def table(comparison: dict) -> str:
     per_step = "no compression step ran" if ratio is None else f"{ratio:.1f}x fewer bytes per compression step than Adam's"
     lines.append(f"val loss ratio 1-bit/Adam: {comparison['val_loss_ratio']:.4f}; {per_step}; "
                  f"whole run: {comparison['total_bytes_ratio']:.1f}x fewer")
+    failed = failed_runs(comparison)
+    for name in failed:
+        r = comparison[name]
+        lines.append(f"{r['status'].upper()}: {_label(name)}: {r.get('status_reason') or r['status']}")
+    if failed:
+        lines.append("the losses above do not compare two trained models: fix the run(s) marked "
+                     f"{' and '.join(sorted({comparison[n]['status'].upper() for n in failed}))} first")
     return "\n".join(lines)
 
 
@@ -192,9 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     common = ["--steps", str(args.steps), *passthrough]
     if args.quiet:
         common.append("--no-progress")
-    # Adam never compresses, so it keeps two param groups (2 gradient all-reduces per step instead
-    # of one per tensor); its numerics do not depend on the grouping (Adam is element-wise).
-    configs = {"adam": ["--config", str(HERE / "configs" / "adam.json"), "--param-groups", "decay"],
+    configs = {"adam": ["--config", str(HERE / "configs" / "adam.json")],
                "onebit": ["--config", str(HERE / "configs" / "onebit_gloo.json"), "--freeze-step", str(freeze_step)]}
     if args.launcher == "mpi":
         configs = {name: [*cfg, "--comm-backend", "mpi"] for name, cfg in configs.items()}
@@ -204,17 +257,30 @@ def main(argv: list[str] | None = None) -> dict:
                launcher=args.launcher, timeout=args.timeout, quiet=args.quiet)
     comparison = {name: summarize(out / name) for name in RUNS}
     adam, onebit = comparison["adam"], comparison["onebit"]
-    comparison["val_loss_ratio"] = onebit["final_val_loss"] / adam["final_val_loss"]
+    comparison["val_loss_ratio"] = (onebit["final_val_loss"] / adam["final_val_loss"]
+                                    if adam["final_val_loss"] else math.nan)
     compressed = onebit["bytes_per_step"]["compression"]
     comparison["compression_bytes_ratio"] = adam["bytes_per_step"]["warmup"] / compressed if compressed else None
     comparison["total_bytes_ratio"] = adam["bytes_sent"] / onebit["bytes_sent"]
     comparison["world_size"] = args.world_size
+    comparison["failed_runs"] = failed_runs(comparison)
     (out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n")
-    plot({name: read_metrics(out / name) for name in RUNS}, freeze_step, out / "comparison.png")
+    limits = [json.loads((out / name / "summary.json").read_text()).get("val_loss_limit") for name in RUNS]
+    limits = [x for x in limits if x is not None]
+    plot({name: read_metrics(out / name) for name in RUNS}, freeze_step, out / "comparison.png",
+         status={name: comparison[name]["status"] for name in RUNS}, y_max=max(limits) if limits else None)
     print(table(comparison))
     print(f"plot: {out / 'comparison.png'}   numbers: {out / 'comparison.json'}")
+    if comparison["failed_runs"]:
+        print(f"compare.py: {', '.join(comparison['failed_runs'])} did not finish normally; exit status 1",
+              file=sys.stderr)
     return comparison
 
 
+def exit_status(comparison: dict) -> int:
+    """0 when both runs finished normally, 1 when one diverged (or stopped early)."""
+    return 1 if failed_runs(comparison) else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))

@@ -10,7 +10,9 @@ backward on its own shard and calls ``optimizer.step()``.
 
 Writes to ``--out``: ``metrics.jsonl`` (one JSON object per line: start, train, eval, end),
 ``checkpoint.pt`` every ``--checkpoint-every`` steps (``--resume`` continues from it) and
-``summary.json`` at the end.
+``summary.json`` at the end. ``summary.json``'s ``status`` says how the run went: ``finished``,
+``stopped`` (``--stop-at``) or ``diverged`` (see ``judge_run``), with the steps skipped for
+non-finite gradients; a diverged run, or one that skipped steps, ends with a WARNING line.
 """
 
 from __future__ import annotations
@@ -74,9 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--limit-chars", type=int, default=None, help="use only the first N characters of the corpus")
     p.add_argument("--cache-dir", default=str(HERE / ".cache"), help="tokenizer and encoded-data cache")
-    p.add_argument("--param-groups", choices=["per-tensor", "decay"], default="per-tensor",
-                   help="per-tensor: one param group (hence one compression scale) per tensor; "
-                        "decay: two groups (with/without weight decay), one scale over each")
+    p.add_argument("--param-groups", choices=["per-tensor", "decay"], default="decay",
+                   help="decay: BERT's two groups, weight decay on matrices, none on biases and LayerNorm "
+                        "weights; per-tensor: the same decay, one group per tensor (more, smaller collectives; "
+                        "a bucket has one compression scale per tensor either way)")
     p.add_argument("--no-momentum-mask", dest="momentum_mask", action="store_false",
                    help="do not mask the momentum of unused position-embedding rows")
     p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (and at 0 and the end)")
@@ -205,16 +208,13 @@ def momentum_masks(model, seq_len: int) -> dict:
     return {emb.position_embeddings.weight: positions, emb.token_type_embeddings.weight: token_types}
 
 
-def param_groups(model, per_tensor: bool = True) -> list[dict]:
-    """Weight decay on matrices only (BERT's convention): biases and LayerNorm get none.
+def param_groups(model, per_tensor: bool = False) -> list[dict]:
+    """Weight decay on matrices only (BERT's convention): biases and LayerNorm weights get none.
 
-    ``per_tensor``: one group per parameter tensor. OnebitAdam compresses each group's momenta in
-    its own buckets with one scale per bucket, so this gives every tensor its own scale (as
-    DeepSpeed's fp32 path did). Under one scale, tensors whose momenta are orders of magnitude
-    below the rest (attention query/key weights while attention is near-uniform) come back as
-    +-scale and move by ``lr * scale / sqrt(v)``, far more than Adam would move them; see the
-    README. The price is 1 all-reduce per tensor per warmup step and 2 collectives per tensor per
-    compression step, instead of per bucket.
+    Two groups by default: ``[{decay}, {no decay, weight_decay=0}]``. OnebitAdam gives every
+    tensor in a bucket its own compression scale, so the grouping does not decide the scales.
+    ``per_tensor``: one group per parameter tensor instead (what this example did while a bucket
+    had a single scale); it only costs more, smaller collectives (one bucket per tensor).
     """
     decay, no_decay = [], []
     for p in model.parameters():
@@ -223,6 +223,52 @@ def param_groups(model, per_tensor: bool = True) -> list[dict]:
     if per_tensor:
         return [{"params": [p]} for p in decay] + [{"params": [p], "weight_decay": 0.0} for p in no_decay]
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+#: A validation loss above ``max(ln(vocab size), initial val loss) + EXPLODED_MARGIN`` nats is worse
+#: than guessing uniformly over the vocabulary by a wide margin (e**1 = 2.7x the perplexity):
+#: the run has blown up. (A BERT MLM at initialization scores about ln(vocab size): 9.0 for 8192.)
+EXPLODED_MARGIN = 1.0
+#: A run whose last STALLED_STEPS steps or more were all skipped for non-finite gradients has
+#: stopped training (the example runs in fp32, with no loss scaler that would explain skips).
+STALLED_STEPS = 10
+
+
+def val_loss_limit(vocab_size: int, initial_val_loss: float | None) -> float:
+    """The validation loss above which a run counts as exploded (see ``EXPLODED_MARGIN``)."""
+    reference = math.log(vocab_size)
+    if initial_val_loss is not None and math.isfinite(initial_val_loss):
+        reference = max(reference, initial_val_loss)
+    return reference + EXPLODED_MARGIN
+
+
+def judge_run(val_losses: list[tuple[int, float]], vocab_size: int, finished: bool,
+              skipped_in_a_row: int = 0) -> tuple[str, str | None]:
+    """``(status, reason)`` of a run from its evaluated ``(step, val_loss)`` pairs, in order
+    (the first at step 0 when there is one; the last the final loss when ``finished``).
+
+    ``"diverged"`` when any evaluated validation loss is not finite, or exceeds
+    ``val_loss_limit`` (the run exploded, even if it came down again), or the last
+    ``STALLED_STEPS`` or more steps were all skipped for non-finite gradients; else
+    ``"finished"``, or ``"stopped"`` when the run ended before its last step (``--stop-at``).
+    ``reason`` says why a run diverged (``None`` otherwise).
+    """
+    initial = val_losses[0][1] if val_losses and val_losses[0][0] == 0 else None
+    limit = val_loss_limit(vocab_size, initial)
+    bad = [(s, v) for s, v in val_losses if not (math.isfinite(v) and v <= limit)]
+    reasons = []
+    if bad:  # the first evaluation that went wrong, and the last one if it differs
+        (step, loss), (last_step, last) = bad[0], val_losses[-1]
+        rule = f"max(ln {vocab_size}, initial {'-' if initial is None else f'{initial:.2f}'}) + {EXPLODED_MARGIN:g}"
+        reasons.append(f"val loss {loss:.4g} at step {step} " + (
+            f"> {limit:.2f} = {rule}" if math.isfinite(loss) else "is not finite"))
+        if last_step != step:
+            reasons.append(f"val loss {last:.4g} at step {last_step} (the last evaluated)")
+    if skipped_in_a_row >= STALLED_STEPS:
+        reasons.append(f"the last {skipped_in_a_row} steps were all skipped for non-finite gradients")
+    if reasons:
+        return "diverged", "; ".join(reasons)
+    return ("finished" if finished else "stopped"), None
 
 
 def build_optimizer(params, config: dict, masks: dict):
@@ -373,9 +419,14 @@ def train(args: argparse.Namespace) -> dict:
 
     ckpt_path = out / "checkpoint.pt"
     start, offset_bytes, offset_s = 0, {"warmup": 0, "compression": 0}, 0.0
+    offset_skipped, offset_in_a_row, val_losses = {"warmup": 0, "compression": 0}, 0, []
     if args.resume:
         state = load_checkpoint(ckpt_path, args, model, optimizer)
         start, offset_bytes, offset_s = state["step"], state["bytes_sent"], state["elapsed_s"]
+        # Absent from checkpoints written before these were recorded.
+        offset_skipped = state.get("skipped_steps", offset_skipped)
+        offset_in_a_row = state.get("skipped_in_a_row", 0)
+        val_losses = [tuple(sv) for sv in state.get("val_losses", [])]
         logger.info("resumed from %s at step %d", ckpt_path, start)
     if not params_in_sync(model, world, device):
         raise RuntimeError("ranks start from different parameters; check that every rank runs the same code and versions")
@@ -394,12 +445,28 @@ def train(args: argparse.Namespace) -> dict:
         stats = optimizer.comm_stats()
         return {phase: offset_bytes[phase] + stats[phase]["bytes_sent"] for phase in offset_bytes}
 
+    def skipped_steps() -> dict:
+        """Steps skipped for non-finite gradients, per phase, and the current run of them in a row."""
+        stats = optimizer.comm_stats()
+        skipped = {phase: offset_skipped[phase] + stats[phase].get("skipped_steps", 0) for phase in offset_skipped}
+        in_a_row = stats.get("skipped_in_a_row", 0)
+        if in_a_row and in_a_row == step_done - start:  # every step since the resume was skipped: one run of them
+            in_a_row += offset_in_a_row
+        return {**skipped, "in_a_row": in_a_row}
+
     def elapsed() -> float:
         return offset_s + time.perf_counter() - t0
 
+    def validate(step: int) -> float:
+        val_loss = evaluate(model, val_inputs, val_labels, world, device, 2 * args.batch_size)
+        val_losses.append((step, val_loss))
+        metrics.write(event="eval", step=step, val_loss=val_loss)
+        return val_loss
+
     t0 = time.perf_counter()
+    step_done = start
     if start == 0:
-        metrics.write(event="eval", step=0, val_loss=evaluate(model, val_inputs, val_labels, world, device, 2 * args.batch_size))
+        validate(0)
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
     bar = None
     if rank == 0 and args.progress:
@@ -419,6 +486,7 @@ def train(args: argparse.Namespace) -> dict:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        step_done = step
         loss_sum += loss.detach()
         window_steps += 1
 
@@ -437,13 +505,15 @@ def train(args: argparse.Namespace) -> dict:
             loss_sum.zero_()
             window_start, window_steps = time.perf_counter(), 0
         if step % args.eval_every == 0 and step != args.steps:
-            metrics.write(event="eval", step=step, val_loss=evaluate(model, val_inputs, val_labels, world, device,
-                                                                     2 * args.batch_size))
+            validate(step)
         if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == stop:
             # Every rank calls it: rank 0 writes the file (atomically); unless --no-exact-resume,
             # each rank also writes its compression errors to checkpoint.pt.rank<r>.
+            skipped = skipped_steps()
             onebit.save_checkpoint(ckpt_path, optimizer, model=model, exact_resume=args.exact_resume, extra=dict(
-                format=CHECKPOINT_FORMAT, step=step, bytes_sent=bytes_sent(), elapsed_s=elapsed(), settings=settings))
+                format=CHECKPOINT_FORMAT, step=step, bytes_sent=bytes_sent(), elapsed_s=elapsed(), settings=settings,
+                skipped_steps={phase: skipped[phase] for phase in offset_skipped}, skipped_in_a_row=skipped["in_a_row"],
+                val_losses=[list(sv) for sv in val_losses]))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -453,14 +523,30 @@ def train(args: argparse.Namespace) -> dict:
                "backend": world.name, "num_params": num_params, "freeze_step": optimizer.freeze_step,
                "bytes_sent": bytes_sent(), "comm_stats": optimizer.comm_stats()}
     if stop == args.steps:
-        summary["final_val_loss"] = evaluate(model, val_inputs, val_labels, world, device, 2 * args.batch_size)
-        metrics.write(event="eval", step=stop, val_loss=summary["final_val_loss"])
+        summary["final_val_loss"] = validate(stop)
+    # None when the run stopped early (--stop-at) and has no final loss.
+    summary["final_val_loss_finite"] = math.isfinite(summary["final_val_loss"]) if "final_val_loss" in summary else None
+    skipped = skipped_steps()
+    summary["skipped_steps"] = skipped["warmup"] + skipped["compression"]
+    summary["skipped_in_a_row"] = skipped["in_a_row"]
+    initial = val_losses[0][1] if val_losses and val_losses[0][0] == 0 else None
+    summary["initial_val_loss"] = initial
+    summary["val_loss_limit"] = val_loss_limit(data.vocab_size, initial)
+    summary["status"], summary["status_reason"] = judge_run(val_losses, data.vocab_size, stop == args.steps,
+                                                            skipped["in_a_row"])
     summary["params_in_sync"] = params_in_sync(model, world, device)
     metrics.write(event="end", **summary)
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        logger.info("done at step %d: %s", stop, ", ".join(
+        logger.info("done at step %d (%s): %s", stop, summary["status"], ", ".join(
             f"{k}={summary[k]:.4f}" for k in ("final_val_loss", "wall_s") if k in summary))
+        if summary["status"] == "diverged":
+            logger.warning("THE RUN DIVERGED: %s; %d of %d steps skipped for non-finite gradients. Do not use "
+                           "its loss or checkpoint; lower the lr, lengthen the lr warmup or check the config",
+                           summary["status_reason"], summary["skipped_steps"], stop)
+        elif summary["skipped_steps"]:
+            logger.warning("%d of %d steps were skipped for non-finite gradients (the run trained on the rest)",
+                           summary["skipped_steps"], stop)
     return summary
 
 
