@@ -13,12 +13,14 @@ Implementations under test (each skips with its reason where it cannot run here)
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -104,10 +106,10 @@ class _Implementations:
 
 def _scalar_kernel_set(native) -> KernelSet:
     def scalar(fn):
-        def run(*args):
+        def run(*args, **kwargs):
             native.force_scalar(True)
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 native.force_scalar(False)
         return run
@@ -117,16 +119,21 @@ def _scalar_kernel_set(native) -> KernelSet:
 
 
 def _on_device(impl: KernelSet, device: str) -> KernelSet:
-    """Run a device implementation on CPU test tensors: copy in, run, copy results back."""
+    """Run a device implementation on CPU test tensors: copy in, run, copy results back (segment
+    tables, keyword ``bounds``, stay on the host)."""
 
     def wrap(fn):
-        def run(*args):
-            moved = [a.to(device) for a in args]
-            result = fn(*moved)
+        def run(*args, **kwargs):
+            moved = [None if a is None else a.to(device) for a in args]
+            result = fn(*moved, **kwargs)
             torch.cuda.synchronize()
             for original, dev in zip(args, moved):
-                original.copy_(dev.cpu())
-            return result.cpu() if result.dim() == 0 else result
+                if original is not None:
+                    original.copy_(dev.cpu())
+            for original, dev in zip(args, moved):
+                if result is dev:
+                    return original
+            return result.cpu()
 
         return run
 
@@ -290,6 +297,308 @@ def test_other_layouts_go_through_temporaries(implementations, name):
     assert_bitwise_equal(got_scale, exp_scale, "scale")
     assert_bitwise_equal(error, exp_error, "error written back into the strided view")
     assert torch.equal(packed_store[::2], exp_packed) and not packed_store[1::2].any()
+    # (n, C) rows with a column stride, and a segment table: chunk j of each segment still lands in row j.
+    bounds = _bounds([24, 24 * 5, BLOCK * 3, 24 * 3])
+    total, cols = int(bounds[-1]), int(bounds[-1]) // 24
+    x, error = _values(total, 13), _values(total, 14)
+    exp_error, exp_packed = error.clone(), torch.zeros(3, cols, dtype=torch.uint8)
+    packed_store = torch.zeros(3, 2 * cols, dtype=torch.uint8)
+    exp_scales = reference.worker_compress_(x, exp_error, exp_packed, bounds=bounds)
+    got_scales = impl.worker_compress_(x, error, packed_store[:, ::2], bounds=bounds)
+    assert_bitwise_equal(got_scales, exp_scales, "segment scales")
+    assert_bitwise_equal(error, exp_error, "error")
+    assert torch.equal(packed_store[:, ::2], exp_packed) and not packed_store[:, 1::2].any()
+
+
+# ------------------------------------------------------------------------------------------------
+# Segment tables: one scale per segment, chunk j of every segment in wire row j
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def _segment_lengths(kind: str, ranks: int) -> list[int]:
+    """Segment lengths in elements (multiples of ``8 ranks``) of a named segment table."""
+    unit = 8 * ranks
+    if kind == "one":  # one segment of 8 blocks and a partial one (on the worker)
+        return [unit * 1031]
+    if kind == "mixed":  # smaller than a block; exactly a block on the worker, on the server; spanning blocks
+        # with a partial last one; one past the per-thread minimum, so that threads split inside it
+        return [unit, _round_up(BLOCK, unit), BLOCK * ranks, unit * 5, 3 * BLOCK * ranks + unit * 7, unit * 3,
+                _round_up(2 * 2**18 + unit * 37, unit), unit, 2 * BLOCK * ranks]
+    if kind == "many":  # 1,000 small segments of mixed sizes, most of them a partial block
+        return [unit * (1 + (i * 37) % 151) for i in range(1000)]
+    raise AssertionError(kind)
+
+
+def _bounds(lengths: list[int]) -> torch.Tensor:
+    edges = [0]
+    for length in lengths:
+        edges.append(edges[-1] + length)
+    return torch.tensor(edges, dtype=torch.int64)
+
+
+def _scale_bytes_(rows: torch.Tensor, scales: torch.Tensor) -> None:
+    """Write ``k`` float32 scales into the last ``4 k`` bytes of every row (as on the wire)."""
+    raw = scales.reshape(-1).contiguous().view(torch.uint8)
+    rows[:, -raw.numel():].copy_(raw.expand(rows.shape[0], raw.numel()))
+
+
+def _read_scale_bytes(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``(n, k)`` float32 scales in the last ``4 k`` bytes of each row."""
+    return rows[:, -4 * k:].contiguous().view(torch.float32).reshape(rows.shape[0], k)
+
+
+TABLES = ["one", "mixed", "many"]
+
+
+@dataclass(frozen=True)
+class _Case:
+    """Inputs of one operation over a segment table and the reference's results (never modified)."""
+
+    bounds: torch.Tensor
+    cols: int
+    inputs: tuple
+    expected: tuple
+
+
+@functools.lru_cache(maxsize=None)
+def _worker_case(table: str, ranks: int) -> _Case:
+    """x, error and an (n, C + 4k) wire buffer; expected scales, wire and error."""
+    lengths = _segment_lengths(table, ranks)
+    bounds, total, k = _bounds(lengths), sum(lengths), len(lengths)
+    cols = total // 8 // ranks
+    x, error, wire = _values(total, 21), _values(total, 22) * 0.1, _wire(ranks, cols + 4 * k - 4, 23)
+    exp_error, exp_wire = error.clone(), wire.clone()
+    exp_scales = reference.worker_compress_(x, exp_error, exp_wire[:, :cols], bounds=bounds)
+    return _Case(bounds, cols, (x, error, wire), (exp_scales, exp_wire, exp_error))
+
+
+@functools.lru_cache(maxsize=None)
+def _server_case(table: str, ranks: int) -> _Case:
+    """Received rows, (n, k) scales with zeros, the server error and an output row with room for the
+    scales; expected scales, output row and error."""
+    lengths = _segment_lengths(table, ranks)
+    bounds, total, k = _bounds(lengths), sum(lengths), len(lengths)
+    cols = total // 8 // ranks
+    recv = _wire(ranks, cols + 4 * k - 4, 24)
+    scales = torch.rand(ranks, k, generator=torch.Generator().manual_seed(25)) * 3
+    scales[-1, ::3] = 0.0  # zero scales give +-0.0 terms: the signs of zeros must match too
+    error, out = _values(total // ranks, 26) * 0.1, _wire(1, cols + 4 * k - 4, 27)[0]
+    exp_error, exp_out = error.clone(), out.clone()
+    exp_scales = reference.server_compress_(recv[:, :cols], scales, exp_error, exp_out[:cols], bounds=bounds)
+    return _Case(bounds, cols, (recv, scales, error, out), (exp_scales, exp_out, exp_error))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_case(table: str, ranks: int) -> _Case:
+    """Gathered rows, (n, k) scales with zeros and subnormals, a keep mask; expected outputs without
+    and with the mask."""
+    lengths = _segment_lengths(table, ranks)
+    bounds, total, k = _bounds(lengths), sum(lengths), len(lengths)
+    cols = total // 8 // ranks
+    gathered = _wire(ranks, cols + 4 * k - 4, 28)
+    g = torch.Generator().manual_seed(29)
+    scales = torch.rand(ranks, k, generator=g) * 2
+    scales[0, ::5] = 0.0
+    scales[-1, 1::7] = 2.5e-39  # subnormal
+    keep = torch.randint(0, 256, (total // 8,), dtype=torch.uint8, generator=g)
+    expected = reference.decode_(gathered[:, :cols], scales, torch.full((total,), 7.0), bounds=bounds)
+    masked = reference.decode_(gathered[:, :cols], scales, torch.full((total,), 7.0), keep, bounds=bounds)
+    return _Case(bounds, cols, (gathered, scales, keep), (expected, masked))
+
+
+def _check_worker(impl: KernelSet, case: _Case, what: str = "") -> None:
+    (x, error, wire), (exp_scales, exp_wire, exp_error) = case.inputs, case.expected
+    got_error, got_wire = error.clone(), wire.clone()
+    got_scales = impl.worker_compress_(x, got_error, got_wire[:, :case.cols], bounds=case.bounds)  # strided rows
+    assert exp_scales.shape == (case.bounds.numel() - 1,)
+    assert_bitwise_equal(got_scales, exp_scales, "segment scales" + what)
+    assert_bitwise_equal(got_wire, exp_wire, "packed signs (and the bytes around them)" + what)
+    assert_bitwise_equal(got_error, exp_error, "worker error" + what)
+
+
+def _check_server(impl: KernelSet, case: _Case, what: str = "") -> None:
+    (recv, scales, error, out), (exp_scales, exp_out, exp_error) = case.inputs, case.expected
+    got_error, got_out = error.clone(), out.clone()
+    got_scales = impl.server_compress_(recv[:, :case.cols], scales, got_error, got_out[:case.cols], bounds=case.bounds)
+    assert exp_scales.shape == (case.bounds.numel() - 1,)
+    assert_bitwise_equal(got_scales, exp_scales, "server segment scales" + what)
+    assert_bitwise_equal(got_out, exp_out, "server packed signs (and the bytes after them)" + what)
+    assert_bitwise_equal(got_error, exp_error, "server error" + what)
+
+
+def _check_decode(impl: KernelSet, case: _Case, what: str = "") -> None:
+    (gathered, scales, keep), (expected, masked) = case.inputs, case.expected
+    got = impl.decode_(gathered[:, :case.cols], scales, torch.full_like(expected, 7.0), bounds=case.bounds)
+    assert_bitwise_equal(got, expected, "decoded output" + what)
+    got = impl.decode_(gathered[:, :case.cols], scales, torch.full_like(expected, 7.0), keep, bounds=case.bounds)
+    assert_bitwise_equal(got, masked, "decoded output with a keep mask" + what)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_worker_with_segments_matches_reference(implementations, name, table, ranks):
+    _check_worker(implementations.get(name), _worker_case(table, ranks))
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_server_with_segments_matches_reference(implementations, name, table, ranks):
+    impl = implementations.get(name)
+    case = _server_case(table, ranks)
+    _check_server(impl, case)
+    # The scales may also come flat, (n * k,), as read off the wire.
+    recv, scales, error, out = case.inputs
+    flat = _Case(case.bounds, case.cols, (recv, scales.reshape(-1), error, out), case.expected)
+    _check_server(impl, flat, " (flat input scales)")
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_decode_with_segments_matches_reference(implementations, name, table, ranks):
+    _check_decode(implementations.get(name), _decode_case(table, ranks))
+    expected, masked = _decode_case(table, ranks).expected
+    cleared = reference.unpack_signs(_decode_case(table, ranks).inputs[2]) < 0
+    assert torch.equal(masked[~cleared], expected[~cleared])
+    assert torch.all(masked[cleared].view(torch.int32) == 0)  # +0.0, not -0.0
+
+
+def test_segment_order_on_the_wire_is_the_defined_one():
+    """The reference's layout, spelled out: chunk j of segment i in row j at byte o_i / (8 n), with
+    the segment's own scale; decode puts it back at o_i + j L_i."""
+    ranks, lengths = 2, [16, 48]
+    bounds = _bounds(lengths)
+    x = torch.cat([torch.full((16,), 2.0), -torch.ones(48)])
+    x[3] = -2.0  # segment 0, chunk 0, byte 0, bit 3
+    x[16 + 24 + 9] = 1.0  # segment 1, chunk 1, its byte 1, bit 1
+    packed = torch.zeros(ranks, 4, dtype=torch.uint8)
+    scales = reference.worker_compress_(x, torch.zeros(64), packed, bounds=bounds)
+    assert scales.tolist() == [2.0, 1.0]
+    assert packed.tolist() == [[0b11101111, 0, 0, 0], [0xff, 0, 0b01000000, 0]]
+    out = torch.empty(64)
+    reference.decode_(packed, torch.tensor([[1.0, 3.0], [5.0, 7.0]]), out, bounds=bounds)
+    assert out[:8].tolist() == [1.0, 1.0, 1.0, -1.0, 1.0, 1.0, 1.0, 1.0] and out[8:16].tolist() == [5.0] * 8
+    assert out[16:40].tolist() == [-3.0] * 24 and out[40 + 9].item() == 7.0 and out[40 + 8].item() == -7.0
+
+
+@pytest.mark.parametrize("name", ["cpu", "cpu-scalar"])
+@pytest.mark.parametrize("table", ["mixed", "many"])
+def test_cpu_segments_do_not_depend_on_the_thread_count(implementations, name, table):
+    """Threads split the list of all segments' blocks and bytes anywhere, also inside segments."""
+    impl = implementations.get(name)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            _check_worker(impl, _worker_case(table, 2), f" ({threads} threads)")
+            _check_server(impl, _server_case(table, 2), f" ({threads} threads)")
+            _check_decode(impl, _decode_case(table, 2), f" ({threads} threads)")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["cpu", "cpu-scalar"])
+def test_cpu_streaming_decode_with_segments(implementations, name):
+    """Outputs from 64 MiB on are written with streaming stores (AVX2), segment by segment."""
+    impl = implementations.get(name)
+    ranks, pieces = 2, 1000
+    lengths = [_round_up(2**24 // pieces, 16) + 16 * (i % 3) for i in range(pieces)]
+    bounds, total = _bounds(lengths), sum(lengths)
+    assert total * 4 >= 64 << 20
+    gathered = _wire(ranks, total // 16, 34)[:, :total // 16]
+    scales = torch.rand(ranks, pieces, generator=torch.Generator().manual_seed(35))
+    keep = torch.randint(0, 256, (total // 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(36))
+    for mask in (None, keep):
+        expected = reference.decode_(gathered, scales, torch.empty(total), mask, bounds=bounds)
+        got = impl.decode_(gathered, scales, torch.full((total,), 7.0), mask, bounds=bounds)
+        assert_bitwise_equal(got, expected, "streamed output" + (" with a keep mask" if mask is not None else ""))
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_compressed_allreduce_with_segments_matches_reference_over_steps(implementations, name):
+    """Three ranks, several steps with error feedback, a bucket of mixed segments with one scale each
+    on the wire: the whole pipeline stays bit-identical."""
+    impl = implementations.get(name)
+    ranks = 3
+    lengths = [24, 24 * 43, 24 * 130, BLOCK * 3, 24 * 3, 24 * 700]
+    bounds, total, k = _bounds(lengths), sum(lengths), len(lengths)
+    cols = total // 8 // ranks
+    state = {}
+    for key in ("ref", "impl"):
+        state[key] = [dict(worker=torch.zeros(total), server=torch.zeros(total // ranks),
+                           send=torch.zeros(ranks, cols + 4 * k, dtype=torch.uint8),
+                           recv=torch.zeros(ranks, cols + 4 * k, dtype=torch.uint8),
+                           gather=torch.zeros(cols + 4 * k, dtype=torch.uint8)) for _ in range(ranks)]
+    for step in range(4):
+        inputs = [_values(total, 200 * step + r) for r in range(ranks)]
+        results = {}
+        for key, ks in (("ref", REFERENCE), ("impl", impl)):
+            st = state[key]
+            for r in range(ranks):  # worker phase; the all-to-all moves rows between ranks
+                scales = ks.worker_compress_(inputs[r], st[r]["worker"], st[r]["send"][:, :cols], bounds=bounds)
+                _scale_bytes_(st[r]["send"], scales)
+            for j in range(ranks):
+                for r in range(ranks):
+                    st[j]["recv"][r].copy_(st[r]["send"][j])
+            for j in range(ranks):  # server phase; the all-gather
+                recv = st[j]["recv"]
+                scales = ks.server_compress_(recv[:, :cols], _read_scale_bytes(recv, k), st[j]["server"],
+                                             st[j]["gather"][:cols], bounds=bounds)
+                _scale_bytes_(st[j]["gather"].view(1, -1), scales)
+            gathered = torch.stack([st[j]["gather"] for j in range(ranks)])
+            out = torch.empty(total)
+            ks.decode_(gathered[:, :cols], _read_scale_bytes(gathered, k), out, bounds=bounds)
+            results[key] = out
+        assert_bitwise_equal(results["impl"], results["ref"], f"step {step} output")
+        for r in range(ranks):
+            assert_bitwise_equal(state["impl"][r]["worker"], state["ref"][r]["worker"], "worker error")
+            assert_bitwise_equal(state["impl"][r]["server"], state["ref"][r]["server"], "server error")
+            assert_bitwise_equal(state["impl"][r]["send"], state["ref"][r]["send"], "wire rows with their scales")
+
+
+BAD_TABLES = [
+    ([8, 48], r"bounds must run from 0 to 48, got 8 \.\. 48"),
+    ([0, 16, 32], r"bounds must run from 0 to 48, got 0 \.\. 32"),
+    ([0, 24, 48], r"every segment must be a positive multiple of 16 elements, got \[\(0, 24\), \(24, 48\)\]"),
+    ([0, 16, 16, 48], r"every segment must be a positive multiple of 16 elements, got \[\(16, 16\)\]"),
+]
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("op", ["worker", "server", "decode"])
+@pytest.mark.parametrize("edges, message", BAD_TABLES)
+def test_bad_segment_tables_are_refused(implementations, name, op, edges, message):
+    """48 elements over 2 ranks: segments must be multiples of 16 and cover 0 .. 48."""
+    impl = implementations.get(name)
+    bounds = torch.tensor(edges, dtype=torch.int64)
+    k = max(len(edges) - 1, 1)
+    signs = torch.zeros(2, 3, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=message):
+        if op == "worker":
+            impl.worker_compress_(torch.zeros(48), torch.zeros(48), signs, bounds=bounds)
+        elif op == "server":
+            impl.server_compress_(signs, torch.ones(2, k), torch.zeros(24), torch.zeros(3, dtype=torch.uint8),
+                                  bounds=bounds)
+        else:
+            impl.decode_(signs, torch.ones(2, k), torch.zeros(48), bounds=bounds)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_segment_table_and_scales_of_the_wrong_kind_are_refused(implementations, name):
+    impl = implementations.get(name)
+    signs = torch.zeros(2, 3, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bounds must be a 1-d int64 CPU tensor"):
+        impl.worker_compress_(torch.zeros(48), torch.zeros(48), signs, bounds=torch.tensor([0.0, 48.0]))
+    with pytest.raises(ValueError, match=r"scales must be float32 with 4 elements \(2 ranks x 2 segments\)"):
+        impl.server_compress_(signs, torch.ones(2), torch.zeros(24), torch.zeros(3, dtype=torch.uint8),
+                              bounds=torch.tensor([0, 16, 48]))
+    with pytest.raises(ValueError, match=r"scales must be float32 with 4 elements \(2 ranks x 2 segments\)"):
+        impl.decode_(signs, torch.ones(2, 3), torch.zeros(48), bounds=torch.tensor([0, 16, 48]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,6 +742,18 @@ def test_cuda_kernels_without_cupy_name_the_extra(fresh_registry):
             pytest.skip("CuPy and a GPU are present: the CUDA kernels load")
         with pytest.raises(RuntimeError, match="CUDA device"):
             get_kernels("cuda", "cuda")
+
+
+def test_cpu_kernels_refuse_tensors_of_another_device(implementations):
+    impl = implementations.get("cpu")
+    x = torch.zeros(16, device="meta")
+    with pytest.raises(ValueError, match="run on 'cpu' tensors"):
+        impl.worker_compress_(x, x.clone(), torch.zeros(2, dtype=torch.uint8))
+    signs = torch.zeros(2, 1, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="run on 'cpu' tensors"):
+        impl.server_compress_(signs, torch.ones(2), torch.zeros(8), torch.zeros(1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="run on 'cpu' tensors"):
+        impl.decode_(signs, torch.ones(2), torch.zeros(16))
 
 
 def test_native_kernels_refuse_tensors_of_another_device(implementations):

@@ -89,17 +89,17 @@ def check_worker(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, dev
 
 
 def check_server(signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
-                 device_type: str) -> int:
-    """Validate server arguments; return the chunk length in elements."""
+                 device_type: str, segments: int = 1) -> int:
+    """Validate server arguments (``scales``: ``(n, segments)`` values); return the chunk length in elements."""
     _require(signs.dim() == 2 and signs.dtype == torch.uint8,
              f"server_compress_: signs must be a 2-d uint8 tensor (n, L/8), got {signs.dtype} {tuple(signs.shape)}")
     nrows, cols = signs.shape
     n = error.numel()
     _require(nrows >= 1, "server_compress_: signs needs at least one row")
     _require(cols * 8 == n, f"server_compress_: signs rows hold {cols * 8} elements, error has {n}")
-    _require(scales.dtype == torch.float32 and scales.numel() == nrows,
-             f"server_compress_: scales must be float32 with {nrows} elements, got {scales.dtype} with "
-             f"{scales.numel()}")
+    _require(scales.dtype == torch.float32 and scales.numel() == nrows * segments,
+             f"server_compress_: scales must be float32 with {nrows * segments} elements ({nrows} ranks x "
+             f"{segments} segments), got {scales.dtype} with {scales.numel()}")
     _require(error.dtype == torch.float32, f"server_compress_: error must be float32, got {error.dtype}")
     _require(packed.dtype == torch.uint8 and packed.numel() == cols,
              f"server_compress_: packed must be uint8 with {cols} bytes, got {packed.dtype} with {packed.numel()}")
@@ -109,8 +109,8 @@ def check_server(signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
 
 
 def check_decode(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, device_type: str,
-                 keep: torch.Tensor | None = None) -> None:
-    """Validate decode arguments."""
+                 keep: torch.Tensor | None = None, segments: int = 1) -> None:
+    """Validate decode arguments (``scales``: ``(n, segments)`` values)."""
     if keep is not None:
         _require(keep.dtype == torch.uint8 and keep.is_contiguous() and keep.numel() * 8 == out.numel()
                  and keep.device == out.device,
@@ -119,8 +119,9 @@ def check_decode(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, d
     _require(signs.dim() == 2 and signs.dtype == torch.uint8,
              f"decode_: signs must be a 2-d uint8 tensor (n, L/8), got {signs.dtype} {tuple(signs.shape)}")
     nrows, cols = signs.shape
-    _require(scales.dtype == torch.float32 and scales.numel() == nrows,
-             f"decode_: scales must be float32 with {nrows} elements, got {scales.dtype} with {scales.numel()}")
+    _require(scales.dtype == torch.float32 and scales.numel() == nrows * segments,
+             f"decode_: scales must be float32 with {nrows * segments} elements ({nrows} ranks x {segments} "
+             f"segments), got {scales.dtype} with {scales.numel()}")
     _require(out.dtype == torch.float32 and out.numel() == nrows * cols * 8,
              f"decode_: out must be float32 with {nrows * cols * 8} elements, got {out.dtype} with {out.numel()}")
     _require(signs.device.type == scales.device.type == out.device.type == device_type,

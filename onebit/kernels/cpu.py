@@ -1,13 +1,16 @@
 """Fused CPU kernels: a small C++ library compiled at first use and called through ctypes.
 
-Why this means. The reference makes about ten full passes over the data (add, cast, square, sum,
-compare, shift, sum, sub, ...) and runs at 0.1-0.4 GB/s; numpy's ``packbits`` alone reaches
-~11 GB/s but is only one of the passes. ``cpu_kernels.cpp`` does the worker in two passes (b = x + e
-with the sum of squares; then signs, bytes and the error update given the scale), the server in two
-passes over its chunk (unpack n rows, weighted sum in rank order, /n, +e, sum of squares; then pack
-and error update) and decode in one, with AVX2 when the CPU has it (a portable scalar path
-otherwise, with the same results). It needs no torch headers, so it compiles in a few seconds
-instead of the minute a torch C++ extension takes, and the library is cached.
+Why it exists. The reference makes about ten full passes over the data (add, cast, square, sum,
+compare, shift, sum, sub, ...) per segment and runs at 0.1-0.4 GB/s; numpy's ``packbits`` alone
+reaches ~11 GB/s but is only one of the passes. ``cpu_kernels.cpp`` does the worker in two passes
+(b = x + e with the sums of squares; then signs, bytes and the error update given the scales), the
+server in two passes over its chunk (unpack n rows, weighted sum in rank order, /n, +e, sums of
+squares; then pack and error update) and decode in one, with AVX2 when the CPU has it (a portable
+scalar path otherwise, with the same results). Each is one native call whatever the number of
+segments in the segment table: the passes run over the blocks and bytes of all segments at once,
+so 1,000 small segments cost about what one segment of the same total length does. It needs no
+torch headers, so it compiles in a few seconds instead of the minute a torch C++ extension takes,
+and the library is cached.
 
 Build. The first :func:`onebit.kernels.get_kernels` that wants these kernels compiles
 ``cpu_kernels.cpp`` with ``$CXX`` (else ``c++``, ``g++`` or ``clang++``) into the cache folder
@@ -40,7 +43,7 @@ from pathlib import Path
 import torch
 
 from . import KernelSet, register
-from ._layout import byte_rows, check_decode, check_server, check_worker, flat_float
+from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, flat_float
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ __all__ = ["load", "build", "compiler_command", "cache_dir", "CACHE_ENV_VAR"]
 CACHE_ENV_VAR = "ONEBIT_CACHE_DIR"
 SOURCE_NAME = "cpu_kernels.cpp"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fvisibility=hidden")
-ABI = 2
+ABI = 3
 
 _c_ptr = ctypes.c_void_p
 _c_i64 = ctypes.c_int64
@@ -138,16 +141,25 @@ def _open(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path} has ABI {abi}, expected {ABI}; delete it to rebuild")
     lib.onebit_cpu_vector_path.restype = _c_int
     lib.onebit_cpu_force_scalar.argtypes = [_c_int]
+    lib.onebit_cpu_valid_bounds.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64]
+    lib.onebit_cpu_valid_bounds.restype = _c_int
     lib.onebit_cpu_sumsq.argtypes = [_c_ptr, _c_i64, _c_int]
     lib.onebit_cpu_sumsq.restype = ctypes.c_double
-    lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]
-    lib.onebit_cpu_worker.restype = None
-    lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64,
+    lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
                                       _c_ptr, _c_int]
+    lib.onebit_cpu_worker.restype = None
+    lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr,
+                                      _c_i64, _c_i64, _c_ptr, _c_int]
     lib.onebit_cpu_server.restype = None
-    lib.onebit_cpu_decode.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
+    lib.onebit_cpu_decode.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr,
+                                      _c_int]
     lib.onebit_cpu_decode.restype = None
     return lib
+
+
+def _segments(bounds: torch.Tensor | None) -> int:
+    """The number of segments a table claims (its checks come later), for the checks of ``scales``."""
+    return bounds.numel() - 1 if isinstance(bounds, torch.Tensor) and bounds.numel() > 1 else 1
 
 
 class CpuKernels:
@@ -170,42 +182,65 @@ class CpuKernels:
         flat = flat_float(b)
         return self.lib.onebit_cpu_sumsq(flat.data_ptr(), flat.numel(), torch.get_num_threads())
 
-    def worker_compress_(self, x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        n = check_worker(x, error, packed, "cpu")
+    def _table(self, bounds: torch.Tensor | None, total: int, unit: int, what: str) -> tuple[torch.Tensor, int]:
+        """The segment table to pass (a contiguous int64 CPU tensor) and its segment count.
+
+        A valid table is checked natively (a Python loop over 1,000 segments would cost a good part
+        of a small call); anything else goes through :func:`check_bounds`, which names the problem."""
+        if (isinstance(bounds, torch.Tensor) and bounds.dtype == torch.int64 and bounds.dim() == 1
+                and bounds.device.type == "cpu" and bounds.numel() >= 2 and bounds.is_contiguous()
+                and self.lib.onebit_cpu_valid_bounds(bounds.data_ptr(), bounds.numel() - 1, total, unit)):
+            return bounds, bounds.numel() - 1
+        table, edges = check_bounds(bounds, total, unit, what)
+        return table, len(edges) - 1
+
+    def worker_compress_(self, x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
+                         bounds: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`onebit.kernels.reference.worker_compress_`: returns the ``(k,)`` scales."""
+        total = check_worker(x, error, packed, "cpu")
+        nrows = packed.shape[0] if packed.dim() == 2 else 1
+        table, k = self._table(bounds, total, 8 * nrows, "worker_compress_")
         xs, es = flat_float(x), flat_float(error)
         out = byte_rows(packed, output=True)
-        scale = torch.empty((), dtype=torch.float32)
-        self.lib.onebit_cpu_worker(xs.data_ptr(), es.data_ptr(), n, out.tensor.data_ptr(), out.row_len,
-                                   out.row_stride, scale.data_ptr(), torch.get_num_threads())
+        scales = torch.empty(k, dtype=torch.float32)
+        self.lib.onebit_cpu_worker(xs.data_ptr(), es.data_ptr(), total, table.data_ptr(), k, nrows,
+                                   out.tensor.data_ptr(), out.row_len, out.row_stride, scales.data_ptr(),
+                                   torch.get_num_threads())
         out.finish_()
         if es.data_ptr() != error.data_ptr():
             error.copy_(es.view(error.shape))
-        return scale
+        return scales
 
     def server_compress_(self, signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
-                         packed: torch.Tensor) -> torch.Tensor:
-        n = check_server(signs, scales, error, packed, "cpu")
+                         packed: torch.Tensor, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`onebit.kernels.reference.server_compress_`: returns the ``(k,)`` server scales."""
+        n = check_server(signs, scales, error, packed, "cpu", _segments(bounds))
+        nrows = signs.shape[0]
+        table, k = self._table(bounds, n * nrows, 8 * nrows, "server_compress_")
         rows = byte_rows(signs, output=False)
         sc, es = flat_float(scales), flat_float(error)
         out = byte_rows(packed, output=True)
-        scale = torch.empty((), dtype=torch.float32)
-        self.lib.onebit_cpu_server(rows.tensor.data_ptr(), signs.shape[0], rows.row_stride, sc.data_ptr(),
-                                   es.data_ptr(), n, out.tensor.data_ptr(), out.row_len, out.row_stride,
-                                   scale.data_ptr(), torch.get_num_threads())
+        result = torch.empty(k, dtype=torch.float32)
+        self.lib.onebit_cpu_server(rows.tensor.data_ptr(), nrows, rows.row_stride, sc.data_ptr(), es.data_ptr(), n,
+                                   table.data_ptr(), k, out.tensor.data_ptr(), out.row_len,
+                                   out.row_stride, result.data_ptr(), torch.get_num_threads())
         out.finish_()
         if es.data_ptr() != error.data_ptr():
             error.copy_(es.view(error.shape))
-        return scale
+        return result
 
     def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        check_decode(signs, scales, out, "cpu", keep)
+                keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`onebit.kernels.reference.decode_`."""
+        check_decode(signs, scales, out, "cpu", keep, _segments(bounds))
+        nrows, cols = signs.shape
+        table, k = self._table(bounds, out.numel(), 8 * nrows, "decode_")
         rows = byte_rows(signs, output=False)
         sc = flat_float(scales)
         dst = flat_float(out)
-        self.lib.onebit_cpu_decode(rows.tensor.data_ptr(), signs.shape[0], rows.row_stride, signs.shape[1],
-                                   sc.data_ptr(), None if keep is None else keep.data_ptr(), dst.data_ptr(),
-                                   torch.get_num_threads())
+        self.lib.onebit_cpu_decode(rows.tensor.data_ptr(), nrows, rows.row_stride, cols, sc.data_ptr(),
+                                   table.data_ptr(), k, None if keep is None else keep.data_ptr(),
+                                   dst.data_ptr(), torch.get_num_threads())
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out

@@ -3,13 +3,22 @@
 // Every function equals onebit.kernels.reference bit for bit (see that module for the sign, bit
 // order and error conventions). No torch or Python headers: this file compiles in a few seconds.
 //
-// Scale. The sum of squares is the *blocked sum* of onebit/kernels/blocked.py, which the CUDA
-// kernels in kernels/onebit_kernels.cu compute too:
-//   * the input is cut into blocks of 1024 elements (32 steps of 32 lanes); lane l of block k
-//     sums (double)b[1024k + 32j + l]^2 for j = 0..31 in increasing j, starting from 0.0;
-//   * the list of all lane sums (block-major) is reduced by the adjacent pairwise tree (level by
-//     level, v[i] = v[2i] + v[2i+1], a lone last element carried up unchanged);
-//   * scale = (float)sqrt(S / (double)n).
+// Segments. Every operation takes the segment table bounds = [0, o_1, ..., M] (k + 1 int64s) of a
+// buffer of M elements over n ranks; each segment is a multiple of 8n elements and has its own
+// scale. Chunk j of segment i (L_i = (o_{i+1} - o_i) / n elements) travels in wire row j at
+// element offset o_i / n; the server's chunk has the table bounds / n. One call does all
+// segments, with the same passes as for one segment: the blocked sums of squares of all
+// segments' blocks in one parallel pass, a pairwise tree per segment, then one parallel pass of
+// pack and error update over all bytes (each with its segment's scale and wire position).
+//
+// Scale. The sum of squares of a segment is the *blocked sum* of onebit/kernels/blocked.py, which
+// the CUDA kernels in kernels/onebit_kernels.cu compute too:
+//   * the segment is cut into blocks of 1024 elements (32 steps of 32 lanes) from its own start,
+//     the last one zero-padded; lane l of block b sums (double)v[1024b + 32j + l]^2 for
+//     j = 0..31 in increasing j, starting from 0.0;
+//   * the list of the segment's lane sums (block-major) is reduced by the adjacent pairwise tree
+//     (level by level, v[i] = v[2i] + v[2i+1], a lone last element carried up unchanged);
+//   * scale = (float)sqrt(S / (double)len).
 // A float's square is exact in double, so an FMA (acc + b*b) rounds exactly like a separate
 // multiply and add, and the result depends neither on vector width nor on thread count.
 //
@@ -17,6 +26,7 @@
 // in the same order as the reference. Negation only flips the sign bit, so q*s is s with its sign
 // bit flipped where q = -1. Build with -ffp-contract=off (cpu.py does).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -116,6 +126,39 @@ void for_each_run(const ByteRows& rows, int64_t lo, int64_t hi, F&& fn) {
     }
 }
 
+// A segment table: segment i covers elements [bounds[i] / div, bounds[i + 1] / div), i < k
+// (div = 1 for the worker's buffer and decode's output, n for the server's chunk).
+struct Segments {
+    const int64_t* bounds;
+    int64_t k;
+    int64_t div;
+    int64_t lo(int64_t i) const { return bounds[i] / div; }
+    int64_t hi(int64_t i) const { return bounds[i + 1] / div; }
+    // The segment holding element `element` (0 <= element < hi(k - 1)).
+    int64_t find(int64_t element) const {
+        return std::upper_bound(bounds + 1, bounds + k + 1, element * div) - (bounds + 1);
+    }
+};
+
+// The pieces of bytes [lo, hi) of a segmented buffer whose segments are each cut into `rows`
+// equal chunks, chunk j of segment i going to wire row j (`row_bytes` bytes a row) at byte
+// lo(i) / (8 rows): calls fn(i, j, first, count, wire) where bytes first .. first + count - 1
+// (of chunk j of segment i) are wire bytes wire .. wire + count - 1. With rows = 1, wire = first.
+template <typename F>
+void for_each_piece(const Segments& seg, int64_t rows, int64_t row_bytes, int64_t lo, int64_t hi, F&& fn) {
+    if (lo >= hi) return;
+    int64_t i = seg.find(lo * 8);
+    while (lo < hi) {
+        const int64_t s0 = seg.lo(i) / 8, s1 = seg.hi(i) / 8;
+        const int64_t chunk = (s1 - s0) / rows;
+        const int64_t j = (lo - s0) / chunk;
+        const int64_t end = s0 + (j + 1) * chunk < hi ? s0 + (j + 1) * chunk : hi;
+        fn(i, j, lo, end - lo, j * row_bytes + s0 / rows + (lo - s0 - j * chunk));
+        lo = end;
+        if (lo == s1) ++i;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element sources, portable: value(i) gives element i; value8(i, v) elements i..i+7 (i % 8 == 0).
 
@@ -139,7 +182,8 @@ struct WorkerSource {  // b = x + e
 struct ServerSource {  // c = (s_0 q_0 + s_1 q_1 + ... ) / nrows + e, in rank order
     const uint8_t* signs;
     int64_t sign_stride;  // bytes between the rows of signs
-    const float* scales;
+    const float* scales;  // rank r's scale at scales[r * scale_stride]
+    int64_t scale_stride;
     int64_t nrows;
     const float* e;
     float value(int64_t i) const {
@@ -152,7 +196,7 @@ struct ServerSource {  // c = (s_0 q_0 + s_1 q_1 + ... ) / nrows + e, in rank or
         for (int j = 0; j < 8; ++j) v[j] = signed_value(scales[0], signs[byte], j);
         for (int64_t r = 1; r < nrows; ++r) {
             const unsigned bits = signs[r * sign_stride + byte];
-            const float s = scales[r];
+            const float s = scales[r * scale_stride];
             for (int j = 0; j < 8; ++j) v[j] = v[j] + signed_value(s, bits, j);
         }
         const float n = static_cast<float>(nrows);
@@ -160,24 +204,22 @@ struct ServerSource {  // c = (s_0 q_0 + s_1 q_1 + ... ) / nrows + e, in rank or
     }
 };
 
-// Lane sums of one block [start, end) into lanes[32].
+// Lane sums of one block [start, end) (at most 1024 elements, start % 8 == 0) into lanes[32]:
+// element start + t adds to lane t % 32, in increasing t.
 template <typename Src>
 void block_lanes_scalar(const Src& src, int64_t start, int64_t end, double* lanes) {
     for (int l = 0; l < kLanes; ++l) lanes[l] = 0.0;
-    if (end - start == kBlock) {
-        float v[8];
-        for (int64_t j = 0; j < kSteps; ++j) {
-            for (int q = 0; q < 4; ++q) {
-                src.value8(start + j * kLanes + 8 * q, v);
-                for (int t = 0; t < 8; ++t) {
-                    const double d = static_cast<double>(v[t]);
-                    lanes[8 * q + t] += d * d;
-                }
-            }
+    float v[8];
+    int64_t i = start;
+    for (; i + 8 <= end; i += 8) {
+        src.value8(i, v);
+        double* lane = lanes + (i - start) % kLanes;
+        for (int t = 0; t < 8; ++t) {
+            const double d = static_cast<double>(v[t]);
+            lane[t] += d * d;
         }
-        return;
     }
-    for (int64_t i = start; i < end; ++i) {  // the last, partial block
+    for (; i < end; ++i) {  // a length that is not a multiple of 8 (the sum-of-squares test hook)
         const double d = static_cast<double>(src.value(i));
         lanes[(i - start) % kLanes] += d * d;
     }
@@ -277,7 +319,8 @@ struct ServerAvx2 {
         const int64_t byte = i >> 3;
         __m256 acc = signed_scale(_mm256_set1_ps(src.scales[0]), src.signs[byte]);
         for (int64_t r = 1; r < src.nrows; ++r)
-            acc = _mm256_add_ps(acc, signed_scale(_mm256_set1_ps(src.scales[r]), src.signs[r * src.sign_stride + byte]));
+            acc = _mm256_add_ps(acc, signed_scale(_mm256_set1_ps(src.scales[r * src.scale_stride]),
+                                                  src.signs[r * src.sign_stride + byte]));
         return finish(acc, i);
     }
     // Four bytes of every row at once: one 32-bit load and one broadcast per row for 32 elements.
@@ -289,28 +332,35 @@ struct ServerAvx2 {
         for (int q = 0; q < 4; ++q) v[q] = signed_scale(s, (w >> (8 * q)) & 0xffu);
         for (int64_t r = 1; r < src.nrows; ++r) {
             std::memcpy(&w, src.signs + r * src.sign_stride + byte, 4);
-            s = _mm256_set1_ps(src.scales[r]);
+            s = _mm256_set1_ps(src.scales[r * src.scale_stride]);
             for (int q = 0; q < 4; ++q) v[q] = _mm256_add_ps(v[q], signed_scale(s, (w >> (8 * q)) & 0xffu));
         }
         for (int q = 0; q < 4; ++q) v[q] = finish(v[q], i + 8 * q);
     }
 };
 
-// Lane sums of one full block: lanes 0..31 in 8 registers of 4 doubles.
+// acc[2q], acc[2q + 1] (lanes 8q .. 8q + 7) += the squares of the 8 floats of v.
+ONEBIT_AVX2 inline void add_squares(__m256 v, __m256d* acc) {
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    acc[0] = _mm256_fmadd_pd(lo, lo, acc[0]);  // exact square: FMA == mul + add
+    acc[1] = _mm256_fmadd_pd(hi, hi, acc[1]);
+}
+
+// Lane sums of one block of `count` elements (a multiple of 8, at most 1024): lanes 0..31 in 8
+// registers of 4 doubles; a partial last step fills the first count % 32 lanes.
 template <typename Src>
-ONEBIT_AVX2 void block_lanes_avx2(const Src& src, int64_t start, double* lanes) {
+ONEBIT_AVX2 void block_lanes_avx2(const Src& src, int64_t start, int64_t count, double* lanes) {
     __m256d acc[8];
     for (int q = 0; q < 8; ++q) acc[q] = _mm256_setzero_pd();
     __m256 v[4];
-    for (int64_t j = 0; j < kSteps; ++j) {
+    const int64_t steps = count / kLanes;
+    for (int64_t j = 0; j < steps; ++j) {
         src.load32(start + j * kLanes, v);
-        for (int q = 0; q < 4; ++q) {
-            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v[q]));
-            const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v[q], 1));
-            acc[2 * q] = _mm256_fmadd_pd(lo, lo, acc[2 * q]);  // exact square: FMA == mul + add
-            acc[2 * q + 1] = _mm256_fmadd_pd(hi, hi, acc[2 * q + 1]);
-        }
+        for (int q = 0; q < 4; ++q) add_squares(v[q], acc + 2 * q);
     }
+    const int64_t rest = (count % kLanes) / 8;
+    for (int64_t q = 0; q < rest; ++q) add_squares(src.load8(start + steps * kLanes + 8 * q), acc + 2 * q);
     for (int q = 0; q < 8; ++q) _mm256_storeu_pd(lanes + 4 * q, acc[q]);
 }
 
@@ -379,54 +429,81 @@ bool cpu_has_avx2() { return false; }
 bool use_avx2() { return cpu_has_avx2() && !g_force_scalar; }
 
 // ---------------------------------------------------------------------------------------------
-// Drivers shared by worker and server: pass 1 (blocked sum of squares), pass 2 (pack + error).
+// Drivers shared by worker and server: pass 1 (blocked sums of squares of every segment), pass 2
+// (pack + error update of every byte). `src_of(i)` / `vec_of(i)` give segment i's element source
+// (portable / vector); both index elements of the whole buffer.
 
-template <typename Src, typename SrcVec>
-double blocked_sumsq(const Src& src, const SrcVec& vec, int64_t n, int threads) {
-    const int64_t nblocks = (n + kBlock - 1) / kBlock;
-    if (nblocks == 0) return 0.0;
-    const bool avx2 = use_avx2();
-    std::vector<double> partial(nblocks);
-    parallel_ranges(nblocks, threads, [&](int64_t lo, int64_t hi) {
-        alignas(32) double lanes[kLanes];
-        for (int64_t k = lo; k < hi; ++k) {
-            const int64_t start = k * kBlock;
-            const int64_t end = start + kBlock < n ? start + kBlock : n;
+template <typename Src, typename Vec>
+void block_lanes(const Src& src, const Vec& vec, bool avx2, int64_t start, int64_t end, double* lanes) {
 #if ONEBIT_X86
-            if (avx2 && end - start == kBlock) {
-                block_lanes_avx2(vec, start, lanes);
-            } else {
-                block_lanes_scalar(src, start, end, lanes);
-            }
+    if (avx2 && (end - start) % 8 == 0) {
+        block_lanes_avx2(vec, start, end - start, lanes);
+        return;
+    }
 #else
-            (void)avx2;
-            (void)vec;
-            block_lanes_scalar(src, start, end, lanes);
+    (void)avx2;
+    (void)vec;
 #endif
-            partial[k] = pairwise_tree(lanes, kLanes);
-        }
-    });
-    // The tree over all lane sums equals the tree over the block partials: each block's 32 lanes
-    // are an aligned power-of-two group, i.e. a subtree.
-    return pairwise_tree(partial.data(), nblocks);
+    block_lanes_scalar(src, start, end, lanes);
 }
 
-template <typename Src, typename SrcVec>
-void pack_all(const Src& src, const SrcVec& vec, float* e, float s, int64_t nbytes, const ByteRows& rows,
-              int threads) {
+// sums[i] = the blocked sum of squares of segment i. All blocks of all segments (each segment's
+// from its own start) form one list, split between the threads; then a tree per segment over its
+// blocks' partials, which equals the tree over its lane sums: each block's 32 lanes are an aligned
+// power-of-two group, i.e. a subtree.
+template <typename SrcOf, typename VecOf>
+void segment_sumsq(const Segments& seg, const SrcOf& src_of, const VecOf& vec_of, int threads, double* sums) {
+    std::vector<int64_t> first(seg.k + 1, 0);  // first block of each segment
+    for (int64_t i = 0; i < seg.k; ++i) first[i + 1] = first[i] + (seg.hi(i) - seg.lo(i) + kBlock - 1) / kBlock;
+    const int64_t nblocks = first[seg.k];
+    std::vector<double> partial(nblocks);
     const bool avx2 = use_avx2();
-    parallel_ranges(nbytes, threads, [&](int64_t lo, int64_t hi) {
-        for_each_run(rows, lo, hi, [&](int64_t b0, int64_t count, uint8_t* out) {
+    parallel_ranges(nblocks, threads, [&](int64_t lo, int64_t hi) {
+        alignas(32) double lanes[kLanes];
+        int64_t i = std::upper_bound(first.begin() + 1, first.end(), lo) - (first.begin() + 1);
+        for (int64_t b = lo; b < hi; ++b) {
+            while (b >= first[i + 1]) ++i;
+            const int64_t start = seg.lo(i) + (b - first[i]) * kBlock;
+            const int64_t end = start + kBlock < seg.hi(i) ? start + kBlock : seg.hi(i);
+            block_lanes(src_of(i), vec_of(i), avx2, start, end, lanes);
+            partial[b] = pairwise_tree(lanes, kLanes);
+        }
+    });
+    for (int64_t i = 0; i < seg.k; ++i) sums[i] = pairwise_tree(partial.data() + first[i], first[i + 1] - first[i]);
+}
+
+template <typename Src, typename Vec>
+void pack(const Src& src, const Vec& vec, bool avx2, float* e, float s, int64_t b0, int64_t count, uint8_t* out) {
 #if ONEBIT_X86
-            if (avx2) {
-                pack_avx2(vec, e, s, b0, count, out);
-                return;
-            }
+    if (avx2) {
+        pack_avx2(vec, e, s, b0, count, out);
+        return;
+    }
 #else
-            (void)avx2;
-            (void)vec;
+    (void)avx2;
+    (void)vec;
 #endif
-            pack_scalar(src, e, s, b0, count, out);
+    pack_scalar(src, e, s, b0, count, out);
+}
+
+// Every segment's scale from its sum of squares, then the pack and error update of the `total / 8`
+// input bytes: chunk j of segment i into row j of `out` (`rows` rows of total / (8 rows) bytes).
+template <typename SrcOf, typename VecOf>
+void compress(const Segments& seg, const SrcOf& src_of, const VecOf& vec_of, float* e, int64_t total, int64_t rows,
+              const ByteRows& out, float* scales, int threads) {
+    std::vector<double> sums(seg.k);
+    segment_sumsq(seg, src_of, vec_of, threads, sums.data());
+    for (int64_t i = 0; i < seg.k; ++i) scales[i] = scale_from_sumsq(sums[i], seg.hi(i) - seg.lo(i));
+    const bool avx2 = use_avx2();
+    const int64_t nbytes = total / 8;
+    parallel_ranges(nbytes, threads, [&](int64_t lo, int64_t hi) {
+        for_each_piece(seg, rows, nbytes / rows, lo, hi, [&](int64_t i, int64_t, int64_t first, int64_t count,
+                                                             int64_t wire) {
+            const auto src = src_of(i);
+            const auto vec = vec_of(i);
+            for_each_run(out, wire, wire + count, [&](int64_t w0, int64_t c, uint8_t* dst) {
+                pack(src, vec, avx2, e, scales[i], first + (w0 - wire), c, dst);
+            });
         });
     });
 }
@@ -447,7 +524,7 @@ using ServerVec = ServerSource;
 
 extern "C" {
 
-ONEBIT_EXPORT int onebit_cpu_abi(void) { return 2; }
+ONEBIT_EXPORT int onebit_cpu_abi(void) { return 3; }
 
 // 1 when the AVX2 paths are in use, 0 for the portable paths.
 ONEBIT_EXPORT int onebit_cpu_vector_path(void) { return use_avx2() ? 1 : 0; }
@@ -455,67 +532,93 @@ ONEBIT_EXPORT int onebit_cpu_vector_path(void) { return use_avx2() ? 1 : 0; }
 // Testing hook: force the portable paths (1) or allow AVX2 again (0).
 ONEBIT_EXPORT void onebit_cpu_force_scalar(int on) { g_force_scalar = on != 0; }
 
-// The blocked sum of squares of a float32 buffer (for tests of the definition).
+// 1 when bounds[0..k] is a valid segment table over `total` elements: 0, ..., total, every segment
+// a positive multiple of `unit` elements; else 0 (cpu.py then names the problem).
+ONEBIT_EXPORT int onebit_cpu_valid_bounds(const int64_t* bounds, int64_t k, int64_t total, int64_t unit) {
+    if (k < 1 || unit < 1 || bounds[0] != 0 || bounds[k] != total) return 0;
+    for (int64_t i = 0; i < k; ++i) {
+        const int64_t length = bounds[i + 1] - bounds[i];
+        if (length <= 0 || length % unit != 0) return 0;
+    }
+    return 1;
+}
+
+// The blocked sum of squares of a float32 buffer of any length (for tests of the definition).
 ONEBIT_EXPORT double onebit_cpu_sumsq(const float* b, int64_t n, int threads) {
-    return blocked_sumsq(PlainSource{b}, PlainVec{b}, n, clamp_threads(threads, n));
+    const int64_t bounds[2] = {0, n};
+    double sum = 0.0;
+    segment_sumsq(Segments{bounds, 1, 1}, [b](int64_t) { return PlainSource{b}; },
+                  [b](int64_t) { return PlainVec{b}; }, clamp_threads(threads, n), &sum);
+    return sum;
 }
 
-// Worker: b = x + e; scale = blocked RMS of b; packed <- signs of b; e <- b - scale * sign(b).
-// n is a multiple of 8; packed byte i lives at packed + (i / row_len) * row_stride + i % row_len.
-ONEBIT_EXPORT void onebit_cpu_worker(const float* x, float* e, int64_t n, uint8_t* packed, int64_t row_len,
-                                     int64_t row_stride, float* scale_out, int threads) {
-    const int t = clamp_threads(threads, n);
-    const WorkerSource src{x, e};
+// Worker over `total` elements in the k segments of `bounds` (k + 1 entries, 0 .. total, each
+// segment a multiple of 8 nrows): b = x + e; per segment i, scale_i = blocked RMS of its b; chunk j
+// of it packed into wire row j at byte bounds[i] / (8 nrows); e <- b - scale_i * sign(b); scales
+// into scales_out[0..k). Wire byte w (row w / (total / (8 nrows))) lives at
+// packed + (w / row_len) * row_stride + w % row_len.
+ONEBIT_EXPORT void onebit_cpu_worker(const float* x, float* e, int64_t total, const int64_t* bounds, int64_t k,
+                                     int64_t nrows, uint8_t* packed, int64_t row_len, int64_t row_stride,
+                                     float* scales_out, int threads) {
+    const auto src_of = [x, e](int64_t) { return WorkerSource{x, e}; };
 #if ONEBIT_X86
-    const WorkerVec vec{x, e};
+    const auto vec_of = [x, e](int64_t) { return WorkerVec{x, e}; };
 #else
-    const WorkerVec vec = src;
+    const auto vec_of = src_of;
 #endif
-    const float s = scale_from_sumsq(blocked_sumsq(src, vec, n, t), n);
-    pack_all(src, vec, e, s, n / 8, ByteRows{packed, row_len, row_stride}, t);
-    *scale_out = s;
+    compress(Segments{bounds, k, 1}, src_of, vec_of, e, total, nrows, ByteRows{packed, row_len, row_stride},
+             scales_out, clamp_threads(threads, total));
 }
 
-// Server: c = (sum_r scales[r] * q_r) / nrows + e; scale = blocked RMS of c; packed <- signs of c;
-// e <- c - scale * sign(c). `signs` holds nrows rows of n/8 bytes, `sign_stride` bytes apart.
+// Server over a chunk of n elements whose segments are bounds / nrows (`bounds`: the worker's
+// table, k + 1 entries): per segment i, c = (sum_r scales[r * k + i] * q_r) / nrows + e;
+// scale_i = blocked RMS of its c; packed <- signs of c (byte w at packed + (w / row_len) *
+// row_stride + w % row_len); e <- c - scale_i * sign(c); scales into scales_out[0..k). `signs`
+// holds nrows rows of n / 8 bytes, `sign_stride` bytes apart.
 ONEBIT_EXPORT void onebit_cpu_server(const uint8_t* signs, int64_t nrows, int64_t sign_stride, const float* scales,
-                                     float* e, int64_t n, uint8_t* packed, int64_t row_len, int64_t row_stride,
-                                     float* scale_out, int threads) {
-    const int t = clamp_threads(threads, n);
-    const ServerSource src{signs, sign_stride, scales, nrows, e};
+                                     float* e, int64_t n, const int64_t* bounds, int64_t k, uint8_t* packed,
+                                     int64_t row_len, int64_t row_stride, float* scales_out, int threads) {
+    const auto src_of = [=](int64_t i) { return ServerSource{signs, sign_stride, scales + i, k, nrows, e}; };
 #if ONEBIT_X86
-    const ServerVec vec{src};
+    const auto vec_of = [=](int64_t i) { return ServerVec{src_of(i)}; };
 #else
-    const ServerVec vec = src;
+    const auto vec_of = src_of;
 #endif
-    const float s = scale_from_sumsq(blocked_sumsq(src, vec, n, t), n);
-    pack_all(src, vec, e, s, n / 8, ByteRows{packed, row_len, row_stride}, t);
-    *scale_out = s;
+    compress(Segments{bounds, k, nrows}, src_of, vec_of, e, n, 1, ByteRows{packed, row_len, row_stride},
+             scales_out, clamp_threads(threads, n));
 }
 
-// Decode: out[(r * row_bytes + k) * 8 + j] = +-scales[r] from bit (7 - j) of byte k of row r, or
-// +0.0 where keep (packed bits over out, may be null) has that bit clear.
+// Decode: for segment i of `bounds` (k + 1 entries over out's nrows * row_bytes * 8 elements),
+// chunk j: out[o_i + j L_i + p] = +-scales[j * k + i] from bit (7 - p % 8) of byte
+// o_i / (8 nrows) + p / 8 of row j of `signs` (rows `sign_stride` bytes apart), or +0.0 where keep
+// (packed bits over out, may be null) has that bit clear.
 ONEBIT_EXPORT void onebit_cpu_decode(const uint8_t* signs, int64_t nrows, int64_t sign_stride, int64_t row_bytes,
-                                     const float* scales, const uint8_t* keep, float* out, int threads) {
+                                     const float* scales, const int64_t* bounds, int64_t k, const uint8_t* keep,
+                                     float* out, int threads) {
     const int64_t total = nrows * row_bytes;
     const int t = clamp_threads(threads, total * 8);
+    const Segments seg{bounds, k, 1};
     const ByteRows rows{const_cast<uint8_t*>(signs), row_bytes, sign_stride};
     const bool avx2 = use_avx2();
     const bool stream = total * 8 * static_cast<int64_t>(sizeof(float)) >= kStreamBytes;
     parallel_ranges(total, t, [&](int64_t lo, int64_t hi) {
-        for_each_run(rows, lo, hi, [&](int64_t b0, int64_t count, uint8_t* in) {
-            const float s = scales[b0 / row_bytes];
-            float* o = out + b0 * 8;
-            const uint8_t* kp = keep ? keep + b0 : nullptr;
+        for_each_piece(seg, nrows, row_bytes, lo, hi, [&](int64_t i, int64_t j, int64_t first, int64_t count,
+                                                          int64_t wire) {
+            const float s = scales[j * k + i];
+            for_each_run(rows, wire, wire + count, [&](int64_t w0, int64_t c, uint8_t* in) {
+                const int64_t b0 = first + (w0 - wire);  // output byte: elements 8 b0 .. 8 b0 + 7
+                float* o = out + b0 * 8;
+                const uint8_t* kp = keep ? keep + b0 : nullptr;
 #if ONEBIT_X86
-            if (avx2) {
-                decode_avx2(in, count, s, kp, o, stream);
-                return;
-            }
+                if (avx2) {
+                    decode_avx2(in, c, s, kp, o, stream);
+                    return;
+                }
 #endif
-            (void)avx2;
-            (void)stream;
-            decode_scalar(in, count, s, kp, o);
+                (void)avx2;
+                (void)stream;
+                decode_scalar(in, c, s, kp, o);
+            });
         });
     });
 }
