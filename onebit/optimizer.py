@@ -26,10 +26,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["OnebitAdam"]
 
 DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
-# A run going wrong (see the ``divergence`` argument): this many skipped steps in a row, or a worker
-# compression error above this many times the momentum's norm, checked every so many compression
-# steps (two extra passes over the buffers then). A healthy run keeps the ratio near 1 (1-bit
-# quantization of Gaussian-like values leaves an error of about 0.6 of the input's norm).
+# A run going wrong (see the ``divergence`` argument): this many skipped steps in a row, or a tensor
+# whose worker compression error is above this many times its momentum's norm, checked every so many
+# compression steps (two extra passes over the buffers then). A healthy run keeps the ratio near 1
+# (1-bit quantization of Gaussian-like values leaves an error of about 0.6 of the input's norm; a
+# tensor whose gradient stops decays with a ratio near 1.3); a tensor that shares a scale with much
+# larger ones, as in one scale per bucket, gets errors of the size of the others' momenta.
 SKIPS_TO_WARN = 3
 ERROR_RATIO_TO_WARN = 10.0
 HEALTH_CHECK_INTERVAL = 16
@@ -662,15 +664,21 @@ class OnebitAdam(torch.optim.Optimizer):
             )
 
     def _measure_error_ratio(self) -> float | None:
-        """This rank's worker compression error norm over its averaged momentum's norm, over all
-        compressed buckets (None when the momentum is 0)."""
-        errors = [b.compression.worker_error for b in self._buckets if b.compression is not None]
-        momenta = [b.exp_avg for b in self._buckets if b.compression is not None]
-        if not errors:
-            return None
-        error = math.sqrt(sum(float(e.double().square().sum()) for e in errors))
-        momentum = math.sqrt(sum(float(m.double().square().sum()) for m in momenta))
-        return error / momentum if momentum > 0 else (math.inf if error > 0 else None)
+        """The largest ratio, over this rank's segments (tensors, or blocks of them), of the worker
+        compression error's norm to the averaged momentum's norm; segments whose momentum is 0
+        (masked) are left out. None when there are none."""
+        worst = None
+        for bucket in self._buckets:
+            if bucket.compression is None:
+                continue
+            sizes = [b - a for a, b in zip(bucket.layout.edges[:-1], bucket.layout.edges[1:])]
+            errors = torch.stack(torch._foreach_norm(list(bucket.compression.worker_error.split(sizes))))
+            momenta = torch.stack(torch._foreach_norm(list(bucket.exp_avg.split(sizes))))
+            live = momenta > 0
+            if bool(live.any()):
+                ratio = float((errors[live] / momenta[live]).max())
+                worst = ratio if worst is None else max(worst, ratio)
+        return worst
 
     def _judge_error_ratio(self, t: int) -> None:
         ratio = self._error_ratio_agreed
@@ -680,10 +688,10 @@ class OnebitAdam(torch.optim.Optimizer):
         if "errors" not in self._warned:
             self._warned.add("errors")
             self._diverging(
-                f"before step {t} the worker compression error norm is {ratio:.3g} times the momentum's norm "
-                f"(mean over ranks; above {ERROR_RATIO_TO_WARN:g}): 1-bit compression is no longer tracking the "
-                "momentum; the run may be diverging: lower the learning rate, raise freeze_step, or try "
-                "scale_block_size"
+                f"before step {t} the worker compression error norm of a tensor is {ratio:.3g} times its "
+                f"momentum's norm (worst tensor, mean over ranks; above {ERROR_RATIO_TO_WARN:g}): 1-bit compression "
+                "is no longer tracking the momentum; the run may be diverging: lower the learning rate, raise "
+                "freeze_step, or try scale_block_size"
             )
 
     def _diverging(self, message: str) -> None:

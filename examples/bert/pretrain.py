@@ -495,9 +495,12 @@ def train(args: argparse.Namespace) -> dict:
             now = time.perf_counter()
             tps = tokens_per_step * window_steps / (now - window_start)
             sent = bytes_sent()
+            stats = optimizer.comm_stats()
             record = dict(event="train", step=step, loss=float(loss_sum) / window_steps, lr=base_lrs[0] * factor, phase=phase,
                           tokens_per_s=tps, bytes_sent=sent["warmup"] + sent["compression"],
-                          step_bytes=optimizer.comm_stats()["last_step"]["bytes_sent"], elapsed_s=elapsed())
+                          step_bytes=stats["last_step"]["bytes_sent"], elapsed_s=elapsed(),
+                          worker_error_norm=stats["worker_error_norm"], server_error_norm=stats["server_error_norm"],
+                          error_to_momentum=stats.get("error_to_momentum"))
             metrics.write(**record)
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}", phase=phase,
