@@ -18,7 +18,13 @@ Then, on 2 gloo ranks of this machine (loopback: the network is nearly free, so 
 what compression *costs*), interleaved in one run: a compressed all-reduce of N floats vs a plain
 fp32 ``all_reduce``, and a compression-phase ``OnebitAdam.step()`` on one N-element tensor vs an
 fp32 all-reduce of its gradient + ``torch.optim.Adam.step()``.
-It prints markdown tables and writes ``benchmarks/results/kernels.json`` and ``kernels.md``.
+Last, many small tensors against one large one (``--many``): on the same 2 ranks, a compression-phase
+``OnebitAdam.step()`` over ``--many-tensors`` tensors (1,000 by default) of ``--many-size`` floats
+each (8,192) against the same step over one tensor of as many floats, interleaved; each tensor has
+its own scales, and the whole step (finiteness, momentum, codec, update) must not cost a Python
+loop of kernel calls per tensor.
+It prints markdown tables and writes ``benchmarks/results/kernels.json`` and ``kernels.md``
+(``kernels_many.json``/``.md`` for ``--many``).
 Shared machines are noisy: compare ratios within one run.
 """
 
@@ -204,12 +210,72 @@ def _rank(rank: int, n: int, repeats: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _two_ranks(n: int, repeats: int) -> dict:
+def _two_ranks(n: int, repeats: int, rank_fn=None, *extra) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ranks.json")
-        mp.start_processes(_rank, args=(n, repeats, os.path.join(tmp, "store"), out), nprocs=2,
+        mp.start_processes(rank_fn or _rank, args=(n, repeats, os.path.join(tmp, "store"), out, *extra), nprocs=2,
                            start_method="spawn")
         return json.loads(Path(out).read_text())
+
+
+def _many_rank(rank: int, size: int, repeats: int, store: str, out: str, tensors: int) -> None:
+    """One of 2 gloo ranks, one thread: compression steps over ``tensors`` tensors of ``size``
+    floats vs over one tensor of ``tensors * size`` floats, interleaved; medians to ``out``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    g = torch.Generator().manual_seed(rank)
+    setups = {}
+    for name, shapes in (("one_tensor", [tensors * size]), ("many_tensors", [size] * tensors)):
+        params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in shapes]
+        opt = OnebitAdam(params, lr=1e-4, freeze_step=1, comm_backend_name="gloo")
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()  # the warmup step; every later step is a compression step
+        setups[name] = opt
+    times = {name: [] for name in setups}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, opt in setups.items():
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            **{name: statistics.median(t[1:]) for name, t in times.items()},
+            "collectives": {name: opt.comm_stats()["last_step"]["collectives"] for name, opt in setups.items()},
+            "bytes": {name: opt.comm_stats()["last_step"]["bytes_sent"] for name, opt in setups.items()},
+        }))
+    dist.destroy_process_group()
+
+
+def many_tensors(args) -> None:
+    """The many-tensor table (``--many``)."""
+    ranks = _two_ranks(args.many_size, args.repeats, _many_rank, args.many_tensors)
+    ratio = ranks["many_tensors"] / ranks["one_tensor"]
+    machine = _machine(cpu_kernels.load())
+    total = args.many_size * args.many_tensors
+    lines = [
+        f"OnebitAdam compression step, 2 gloo ranks on loopback, one thread each, median of {args.repeats} "
+        f"interleaved rounds; {machine['cpu']}, load average {machine['load_average_1min']} at the end:",
+        "",
+        "| layout | floats | step ms | collectives | bytes sent / rank |",
+        "|---|---:|---:|---:|---:|",
+        f"| 1 tensor | {total:,} | {ranks['one_tensor'] * 1e3:.1f} | {ranks['collectives']['one_tensor']} | "
+        f"{ranks['bytes']['one_tensor']:,} |",
+        f"| {args.many_tensors:,} tensors of {args.many_size:,} | {total:,} | {ranks['many_tensors'] * 1e3:.1f} | "
+        f"{ranks['collectives']['many_tensors']} | {ranks['bytes']['many_tensors']:,} |",
+        "",
+        f"many / one: {ratio:.2f}x (target <= 1.3x)",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels_many.md").write_text(table + "\n")
+    (args.out / "kernels_many.json").write_text(json.dumps(
+        {"machine": machine, "repeats": args.repeats, "tensors": args.many_tensors, "size": args.many_size,
+         "median_s": {k: ranks[k] for k in ("one_tensor", "many_tensors")}, "ratio": ratio,
+         "collectives": ranks["collectives"], "bytes": ranks["bytes"]}, indent=2) + "\n")
 
 
 def main() -> None:
@@ -221,7 +287,13 @@ def main() -> None:
     parser.add_argument("--ranks-size", type=lambda v: int(float(v)), default=None,
                         help="floats for the 2-rank comparison (default 8M, 1M with --quick)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--many", action="store_true", help="only the many-tensor step comparison")
+    parser.add_argument("--many-tensors", type=int, default=1000)
+    parser.add_argument("--many-size", type=int, default=8192)
     args = parser.parse_args()
+    if args.many:
+        many_tensors(args)
+        return
     ranks_n = args.ranks_size or ((1 << 20) if args.quick else (8 << 20))
     sizes = args.sizes or ([1 << 20] if args.quick else [1 << 20, 8 << 20, 32 << 20])
 

@@ -89,6 +89,8 @@ class _Bucket:
         self.same_dtype = all(p.dtype == torch.float32 for p in params)
         self.compression = (CompressionState(self.padded, world_size, self.device, self.layout.edges)
                             if compress else None)
+        self.momenta = self.views(self.exp_avg)  # made once: a view costs ~8 us, per tensor per step
+        self.denominators: list[torch.Tensor] = []  # views of ``denominator``
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s].view(p.shape) for s, p in zip(self.slices, self.params)]
@@ -590,7 +592,7 @@ class OnebitAdam(torch.optim.Optimizer):
         # bucket after the other; every rank starts the collectives in the same order).
         for bucket, bucket_grads in zip(self._buckets, grads):
             if bucket in compressed:
-                F.momentum_(bucket.views(bucket.exp_avg), bucket_grads, self.param_groups[bucket.group_index]["betas"][0])
+                F.momentum_(bucket.momenta, bucket_grads, self.param_groups[bucket.group_index]["betas"][0])
                 start_worker_(bucket.exp_avg, bucket.compression, self._backend, self._kernels[bucket.device])
         for bucket in self._buckets:
             if bucket not in compressed:
@@ -605,15 +607,17 @@ class OnebitAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _all_finite(grads: list[list[torch.Tensor | None]]) -> bool:
-        """Whether every gradient is finite: one read-only pass. A sum is NaN or inf when an
-        element is; when it overflowed from finite values only, the exact element-wise check decides."""
+        """Whether every gradient is finite: one read-only pass, one call for all tensors. A
+        tensor's L2 norm is NaN or inf when an element is; when it overflowed from finite values
+        only, the exact element-wise check decides."""
         present = [g for bucket_grads in grads for g in bucket_grads if g is not None]
         if not present:
             return True
-        sums = torch.stack([g.sum() for g in present])
-        if bool(torch.isfinite(sums).all()):
+        norms = torch.stack(torch._foreach_norm(present, 2))
+        finite = torch.isfinite(norms)
+        if bool(finite.all()):
             return True
-        return all(bool(torch.isfinite(g).all()) for g, s in zip(present, sums) if not torch.isfinite(s))
+        return all(bool(torch.isfinite(g).all()) for g, ok in zip(present, finite.tolist()) if not ok)
 
     def _freeze_masks(self, buckets: list[_Bucket], t: int) -> None:
         """At the switch to compression (or the first compression step after a load): where the
@@ -738,14 +742,15 @@ class OnebitAdam(torch.optim.Optimizer):
         variance, ``p <- p * (1 - lr * wd) - lr * (m / bc1) / denominator``."""
         beta1, beta2 = group["betas"]
         m = bucket.exp_avg
-        momenta = bucket.views(m)
+        momenta = bucket.momenta
         # The masked coordinates and the padding go back to 0 (the next step's input there must be
         # 0, as when each tensor is padded afresh); the decode did it already with frozen_keep.
         if bucket.frozen_keep is None and bucket.frozen_zeros is not None:
             m.index_fill_(0, bucket.frozen_zeros, 0.0)
         bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
         # The variance is frozen, so is the denominator: computed once, then one fused pass.
-        denominators = bucket.views(self._frozen_denominator(bucket, group["eps"], bc2))
+        self._frozen_denominator(bucket, group["eps"], bc2)
+        denominators = bucket.denominators
         lr, weight_decay = group["lr"], group["weight_decay"]
         params = bucket.params
         if bucket.same_dtype:
@@ -767,6 +772,7 @@ class OnebitAdam(torch.optim.Optimizer):
         if bucket.denominator is None or bucket.denominator_key != key:
             v = bucket.exp_avg_sq
             bucket.denominator = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
+            bucket.denominators = bucket.views(bucket.denominator)
             bucket.denominator_key = key
         return bucket.denominator
 
