@@ -1,0 +1,125 @@
+"""Several optimizer configurations of the BERT example, one after the other, in one table.
+
+    python examples/bert/sweep.py --steps 600 --out runs/sweep --runs ds_adam ds_onebit demo_adam demo_onebit
+
+Each run is ``pretrain.py`` on ``--world-size`` local gloo ranks (same seed, data, schedule and
+initial weights), with the optimizer section below and the default ``--param-groups decay``.
+Prints a markdown table (final validation loss, its ratio to the Adam run of the same settings,
+bytes per compression step, the compression errors, status) and writes ``OUT/sweep.json``. Any
+other arguments go to ``pretrain.py``.
+
+The runs:
+
+* ``ds_adam`` / ``ds_onebit``: DeepSpeed's defaults as a migrating user writes them
+  (``lr 1e-3, weight_decay 0.01``; no bias correction, betas (0.9, 0.999)), ``freeze_step`` 1e9
+  (Adam) and 20% of the steps;
+* ``demo_adam`` / ``demo_onebit``: the demo's ``configs/adam.json`` / ``configs/onebit_gloo.json``;
+* ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from compare import launch  # noqa: E402
+
+DEEPSPEED_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.01, "comm_backend_name": "gloo"}
+DEMO = json.loads((HERE / "configs" / "onebit_gloo.json").read_text())["optimizer"]["params"]
+
+
+def configs(steps: int) -> dict[str, tuple[dict, str]]:
+    """name -> (optimizer params, name of the Adam run it compares with)."""
+    freeze = max(1, round(0.2 * steps))
+    runs = {
+        "ds_adam": ({**DEEPSPEED_DEFAULTS, "freeze_step": 10**9}, "ds_adam"),
+        "ds_onebit": ({**DEEPSPEED_DEFAULTS, "freeze_step": freeze}, "ds_adam"),
+        "demo_adam": ({**DEMO, "freeze_step": 10**9}, "demo_adam"),
+        "demo_onebit": ({**DEMO, "freeze_step": freeze}, "demo_adam"),
+    }
+    for block in (256, 1024, 4096):
+        for base in ("ds", "demo"):
+            params, adam = runs[f"{base}_onebit"]
+            runs[f"{base}_onebit_block{block}"] = ({**params, "scale_block_size": block}, adam)
+    return runs
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def summarize(name: str, run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    compression = [r for r in _records(run_dir) if r.get("event") == "train" and r.get("phase") == "compression"]
+    stats = summary["comm_stats"]
+    steps = stats["compression"]["steps"]
+    return {
+        "name": name,
+        "final_val_loss": summary.get("final_val_loss"),
+        "status": summary.get("status"),
+        "skipped_steps": summary.get("skipped_steps"),
+        "kib_per_compression_step": stats["compression"]["bytes_sent"] / steps / 1024 if steps else None,
+        "mean_worker_error_norm": (sum(r["worker_error_norm"] for r in compression) / len(compression)
+                                   if compression and "worker_error_norm" in compression[0] else None),
+        "mean_error_to_momentum": (sum(r["error_to_momentum"] for r in compression if r.get("error_to_momentum"))
+                                   / max(1, sum(1 for r in compression if r.get("error_to_momentum")))
+                                   if compression else None),
+        "wall_s": summary.get("wall_s"),
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--runs", nargs="+", default=["ds_adam", "ds_onebit", "demo_adam", "demo_onebit"])
+    parser.add_argument("--timeout", type=float, default=3600)
+    args, passthrough = parser.parse_known_args()
+    runs = configs(args.steps)
+    unknown = [r for r in args.runs if r not in runs]
+    if unknown:
+        parser.error(f"unknown runs {unknown}; expected some of {sorted(runs)}")
+    out = Path(args.out)
+    results = {}
+    for name in args.runs:
+        params, _ = runs[name]
+        run_dir = out / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = run_dir / "config.json"
+        config.write_text(json.dumps({"optimizer": {"type": "OneBitAdam", "params": params}}, indent=2))
+        if not (run_dir / "summary.json").exists():
+            launch(["--config", str(config), "--out", str(run_dir), "--steps", str(args.steps), "--no-progress",
+                    *passthrough], args.world_size, run_dir, timeout=args.timeout, quiet=True)
+        results[name] = summarize(name, run_dir)
+    for name, result in results.items():
+        adam = results.get(runs[name][1])
+        ok = adam is not None and result["final_val_loss"] is not None and adam["final_val_loss"]
+        result["vs_adam"] = result["final_val_loss"] / adam["final_val_loss"] if ok else None
+    (out / "sweep.json").write_text(json.dumps(results, indent=2))
+    print("| run | final val loss | vs Adam | KiB / compression step | mean worker error norm "
+          "| mean error/momentum (worst tensor) | status | wall s |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for r in results.values():
+        print(f"| {r['name']} | {_fmt(r['final_val_loss'], '.4f')} | {_fmt(r['vs_adam'], '.4f')} "
+              f"| {_fmt(r['kib_per_compression_step'], ',.1f')} | {_fmt(r['mean_worker_error_norm'], '.4g')} "
+              f"| {_fmt(r['mean_error_to_momentum'], '.3g')} | {r['status']} | {_fmt(r['wall_s'], '.0f')} |")
+
+
+if __name__ == "__main__":
+    main()
