@@ -1,0 +1,264 @@
+"""Record DeepSpeed 0.19.6's own OnebitAdam trajectories, for tests/test_deepspeed_parity.py.
+
+DeepSpeed removed its 1-bit optimizers after 0.19.6, and onebit claims to compute what DeepSpeed's
+``OnebitAdam`` computed. This script runs DeepSpeed's optimizer itself (not a re-implementation)
+on real gloo ranks on CPU and saves what it did, so that the test can replay the same training
+with onebit and compare rank 0's parameters after every step.
+
+Install DeepSpeed in a venv of its own, outside the repository (onebit does not depend on it)::
+
+    python3 -m venv /tmp/dsvenv
+    /tmp/dsvenv/bin/pip install torch==2.13.0        # first: takes the local CPU wheel
+    DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install numpy deepspeed==0.19.6
+    /tmp/dsvenv/bin/python scripts/deepspeed_reference.py     # writes tests/data/deepspeed_onebitadam.pt
+
+(``--out PATH`` writes elsewhere.) The first run JIT-builds DeepSpeed's CPU shared-memory comm
+op (a few minutes; cached under ~/.cache/torch_extensions), later runs take about a minute, and
+the file is bitwise reproducible (same torch). The script needs neither CUDA nor cupy, and it never edits
+DeepSpeed's files: it applies two small patches at run time, in each rank's process, where
+DeepSpeed 0.19.6 cannot run on CPU as shipped:
+
+1. **Bit packing.** ``comm_backend_name='compressed'`` (the backend used here) packs signs with the
+   ``PackbitsBuilder`` op, which exists only for Intel XPUs (on CPU DeepSpeed hands back a
+   ``NotImplementedBuilder``). The patch gives ``deepspeed.runtime.comm.compressed`` a numpy
+   packer with the op's documented semantics: bit ``1`` where the float's sign bit is clear
+   (so ``-0.0`` packs as ``-1``), 8 elements per byte, the first in the most significant bit;
+   unpacking gives ``+1.0`` / ``-1.0``.
+2. **0-d scales in all_gather.** The backend all-gathers its 0-d scale tensors into ``[1]``-shaped
+   outputs, which gloo refuses ("invalid tensor size at index 0"). The patch wraps
+   ``deepspeed.comm.all_gather`` to reshape a 0-d input to ``[1]``; the values are unchanged.
+
+Without an engine (``deepspeed.initialize`` wants a full config and a model wrapper), the
+optimizer gets a small stand-in for its ``deepspeed`` argument with the three attributes it
+reads: ``mpu=None`` (data-parallel group = the world), ``local_rank`` and
+``enable_backward_allreduce``. The driver plays the engine's part: while that flag is True it
+averages every gradient over the ranks as the engine does by default (all-reduce SUM, then
+``mul_(1 / n)``); once DeepSpeed's optimizer sets it to False (the switch to compression), each
+rank keeps its local gradient.
+
+**DeepSpeed's dry run.** DeepSpeed's first ``step()`` only allocates buffers (and runs one
+compressed all-reduce of the zero momentum); it discards the gradient and moves nothing. Its
+call ``k`` therefore does onebit's step ``k - 1``. The driver feeds call 1 a throw-away batch and
+call ``k + 1`` the batch of onebit's step ``k``. DeepSpeed switches to compression after its call
+``F_ds`` (``state['step'] >= freeze_step``), i.e. after ``F_ds - 1`` warmup updates, so the
+recorded run uses ``freeze_step = F + 1`` in DeepSpeed for onebit's ``freeze_step = F``.
+
+**Padding and sizes.** In fp32 DeepSpeed compresses tensor by tensor, each padded to a multiple
+of ``n * lcm(n, 8)`` (16 at n = 2, 72 at n = 3), and the padded slots take part in the scale and
+accumulate error. onebit pads each tensor to a multiple of ``8 n`` (16 at n = 2, 24 at n = 3).
+The two agree exactly at n = 2 for any size, so the 2-rank model has odd sizes (2250, 50, 150, 3
+and 37 elements); at n = 3 they agree only for sizes that are multiples of 72 (neither pads), so
+the 3-rank model has only such tensors (2592, 72, 216 and 144 elements: no bias on the output
+layer). A 3-rank tensor of, say, 50 elements would be padded to 72 by DeepSpeed and 72 by onebit
+too, but one of 30 elements to 72 against 48: different scales, no exact match possible.
+
+**The file** (``torch.save``, about 0.6 MB) holds: versions; the hyperparameters (onebit's
+``freeze_step`` and DeepSpeed's); and for each world size ``n`` under ``runs[n]``: the model
+``spec`` (keyword arguments of :class:`ParityModel`), ``names`` (parameter names in order),
+``initial`` (the same initial weights on every rank), the data of every step and rank
+(``inputs``, ``extra_inputs``, ``targets``: ``[steps, n, batch, ...]``), ``trajectory``
+(``{name: [steps, *shape]}``: rank 0's parameters after onebit-step ``1..steps``, i.e. after
+DeepSpeed's calls ``2..steps+1``), ``backward_allreduce`` (the engine flag at each of those
+steps: True in warmup), and ``max_rank_difference`` (max |p_r - p_0| over ranks and steps, which
+DeepSpeed keeps at 0).
+
+The model and data builders below import no DeepSpeed, so that the test can import them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "deepspeed_onebitadam.pt"
+
+HYPERPARAMETERS = dict(lr=5e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=4, steps=12, batch=8)
+
+# Per world size: all tensor sizes need the same padding under DeepSpeed's and onebit's rules.
+SPECS = {
+    2: dict(d_in=45, hidden=50, d_out=3, out_bias=True, extra=37),  # 2250, 50, 150, 3, 37
+    3: dict(d_in=36, hidden=72, d_out=3, out_bias=False, extra=144),  # 2592, 72, 216, 144
+}
+MODEL_SEED = 1234
+DRY_RUN_STEP = 0  # the batch of DeepSpeed's discarded first call
+
+
+class ParityModel(torch.nn.Module):
+    """``fc2(tanh(fc1(x))) + z @ extra``: two Linear layers and one odd-sized vector parameter."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, out_bias: bool, extra: int) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, hidden)
+        self.fc2 = torch.nn.Linear(hidden, d_out, bias=out_bias)
+        self.extra = torch.nn.Parameter(0.1 * torch.randn(extra))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) + (z @ self.extra)[:, None]
+
+
+def build_model(spec: dict) -> ParityModel:
+    torch.manual_seed(MODEL_SEED)
+    return ParityModel(**spec)
+
+
+def make_batch(spec: dict, batch: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch of onebit-step ``step`` (``x``, ``z``, target)."""
+    gen = torch.Generator().manual_seed(7919 * step + 31 * rank + 5)
+    x = torch.randn(batch, spec["d_in"], generator=gen)
+    z = torch.randn(batch, spec["extra"], generator=gen)
+    y = torch.randn(batch, spec["d_out"], generator=gen)
+    return x, z, y
+
+
+def make_data(spec: dict, world_size: int, steps: int, batch: int) -> dict[str, torch.Tensor]:
+    """Every rank's batches of onebit-steps ``1..steps``, stacked ``[steps, world_size, batch, ...]``."""
+    batches = [[make_batch(spec, batch, r, t) for r in range(world_size)] for t in range(1, steps + 1)]
+    stack = lambda i: torch.stack([torch.stack([b[i] for b in row]) for row in batches])  # noqa: E731
+    return {"inputs": stack(0), "extra_inputs": stack(1), "targets": stack(2)}
+
+
+def backward(model: ParityModel, x: torch.Tensor, z: torch.Tensor, y: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=False)
+    torch.nn.functional.mse_loss(model(x, z), y).backward()
+
+
+# ----------------------------------------------------------------- DeepSpeed side (its venv only)
+
+
+class _NumpyPackbits:
+    """Stand-in for DeepSpeed's XPU packbits op, with its semantics (see the module docstring)."""
+
+    @staticmethod
+    def packbits(tensor: torch.Tensor, input_size: int, rank: int) -> torch.Tensor:
+        import numpy as np
+
+        keep = ~np.signbit(tensor.detach().reshape(-1)[:input_size].numpy())
+        return torch.from_numpy(np.packbits(keep))
+
+    @staticmethod
+    def unpackbits(tensor: torch.Tensor, input_size: int, rank: int) -> torch.Tensor:
+        import numpy as np
+
+        bits = np.unpackbits(tensor.reshape(-1)[:input_size].numpy())
+        return torch.from_numpy(bits.astype(np.float32) * 2.0 - 1.0)
+
+
+class _NumpyPackbitsBuilder:
+    def load(self) -> _NumpyPackbits:
+        return _NumpyPackbits()
+
+
+def _patch_deepspeed() -> None:
+    import deepspeed.comm as ds_comm
+    import deepspeed.runtime.comm.compressed as compressed
+
+    compressed.PackbitsBuilder = _NumpyPackbitsBuilder
+    all_gather = ds_comm.all_gather
+    if getattr(all_gather, "_onebit_reference_patch", False):
+        return
+
+    def all_gather_1d(tensor_list, tensor, *args, **kwargs):
+        if tensor.dim() == 0:
+            tensor = tensor.reshape(1)
+        return all_gather(tensor_list, tensor, *args, **kwargs)
+
+    all_gather_1d._onebit_reference_patch = True
+    ds_comm.all_gather = all_gather_1d
+
+
+def _run_rank(rank: int, world_size: int, store: str, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        import deepspeed
+        import deepspeed.comm as ds_comm
+        from deepspeed.runtime.fp16.onebit.adam import OnebitAdam
+
+        ds_comm.init_distributed(dist_backend="gloo")  # wraps the process group made above
+        _patch_deepspeed()
+        h, spec = HYPERPARAMETERS, SPECS[world_size]
+        model = build_model(spec)
+        engine = SimpleNamespace(mpu=None, local_rank=rank, enable_backward_allreduce=True)
+        opt = OnebitAdam(list(model.parameters()), deepspeed=engine, lr=h["lr"], freeze_step=h["freeze_step"] + 1,
+                         betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"], cuda_aware=False,
+                         comm_backend_name="compressed")
+        snapshots, flags = [], []
+        for call in range(1, h["steps"] + 2):
+            step = DRY_RUN_STEP if call == 1 else call - 1
+            backward(model, *make_batch(spec, h["batch"], rank, step))
+            flag = engine.enable_backward_allreduce
+            if flag:  # the engine's default gradient averaging: SUM, then scale by 1/n
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad.mul_(1.0 / world_size)
+            opt.step()
+            if call > 1:
+                snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
+                flags.append(flag)
+        torch.save({"snapshots": snapshots, "flags": flags, "deepspeed": deepspeed.__version__},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def record(world_size: int) -> dict:
+    import torch.multiprocessing as mp
+
+    h, spec = HYPERPARAMETERS, SPECS[world_size]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_run_rank, args=(world_size, str(Path(tmp) / "store"), tmp), nprocs=world_size,
+                           start_method="spawn")
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
+    model = build_model(spec)
+    names = [name for name, _ in model.named_parameters()]
+    snapshots = ranks[0]["snapshots"]
+    difference = max(float((r["snapshots"][t][k] - snapshots[t][k]).abs().max())
+                     for r in ranks for t in range(h["steps"]) for k in names)
+    return {
+        "deepspeed": ranks[0]["deepspeed"],
+        "spec": dict(spec),
+        "names": names,
+        "initial": {name: p.detach().clone() for name, p in model.named_parameters()},
+        **make_data(spec, world_size, h["steps"], h["batch"]),
+        "trajectory": {k: torch.stack([s[k] for s in snapshots]) for k in names},
+        "backward_allreduce": ranks[0]["flags"],
+        "max_rank_difference": difference,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    h = HYPERPARAMETERS
+    runs = {n: record(n) for n in SPECS}
+    result = {
+        "format": 1,
+        "deepspeed_version": runs[2]["deepspeed"],
+        "torch_version": torch.__version__,
+        "hyperparameters": {**h, "deepspeed_freeze_step": h["freeze_step"] + 1, "bias_correction": False},
+        "runs": {n: {k: v for k, v in run.items() if k != "deepspeed"} for n, run in runs.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(result, args.out)
+    for n, run in runs.items():
+        print(f"n={n}: {sum(p.numel() for p in run['initial'].values())} parameters "
+              f"{[p.numel() for p in run['initial'].values()]}, warmup flags {run['backward_allreduce']}, "
+              f"max rank difference {run['max_rank_difference']}")
+    print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
