@@ -253,11 +253,13 @@ def summarize_scaling(ranks: list[dict]) -> list[dict]:
         warmup = row["steps"][0]
         numel = row["numel"]
         ideal = 2 * (world - 1) / world * numel / 8
+        scales = 8 * (world - 1) * row["tensors"]  # one float32 scale per tensor in every wire row
         rows.append({
             "world_size": world, "tensors": row["tensors"], "numel": numel, "buckets": row["buckets"],
             "compression_collectives": compression["collectives"],
-            "compression_bytes": compression["bytes_sent"], "ideal_1bit_bytes": ideal,
+            "compression_bytes": compression["bytes_sent"], "ideal_1bit_bytes": ideal, "scale_bytes": scales,
             "compression_bytes_vs_ideal": compression["bytes_sent"] / ideal,
+            "compression_bytes_vs_ideal_plus_scales": compression["bytes_sent"] / (ideal + scales),
             "warmup_collectives": warmup["collectives"], "warmup_bytes": warmup["bytes_sent"],
             "fp32_ring_bytes": 2 * (world - 1) / world * numel * 4,
         })
