@@ -268,14 +268,19 @@ def many_tensors(args) -> None:
         "",
         f"many / one: {ratio:.2f}x (target <= 1.3x)",
     ]
+    _write(args.out, "kernels_many", lines,
+           {"machine": machine, "repeats": args.repeats, "tensors": args.many_tensors, "size": args.many_size,
+            "median_s": {k: ranks[k] for k in ("one_tensor", "many_tensors")}, "ratio": ratio,
+            "collectives": ranks["collectives"], "bytes": ranks["bytes"]})
+
+
+def _write(out: Path, stem: str, lines: list[str], data: dict) -> None:
+    """Print the table, and write it (``stem.md``) and the numbers (``stem.json``) under ``out``."""
     table = "\n".join(lines)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels_many.md").write_text(table + "\n")
-    (args.out / "kernels_many.json").write_text(json.dumps(
-        {"machine": machine, "repeats": args.repeats, "tensors": args.many_tensors, "size": args.many_size,
-         "median_s": {k: ranks[k] for k in ("one_tensor", "many_tensors")}, "ratio": ratio,
-         "collectives": ranks["collectives"], "bytes": ranks["bytes"]}, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(table + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
 def main() -> None:
@@ -354,13 +359,9 @@ def main() -> None:
         f"{ranks['onebit_compression_step'] * 1e3:.1f} | {ranks['fp32_allreduce_plus_adam_step'] * 1e3:.1f} | "
         f"{step_ratio:.2f}x |",
     ]
-    table = "\n".join(lines)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels.md").write_text(table + "\n")
-    (args.out / "kernels.json").write_text(json.dumps(
-        {"machine": machine, "compile_s": compile_s, "repeats": args.repeats, "rows": rows,
-         "two_ranks": {"floats": ranks_n, "median_s": ranks, "step_ratio": step_ratio}}, indent=2) + "\n")
+    _write(args.out, "kernels", lines,
+           {"machine": machine, "compile_s": compile_s, "repeats": args.repeats, "rows": rows,
+            "two_ranks": {"floats": ranks_n, "median_s": ranks, "step_ratio": step_ratio}})
 
 
 if __name__ == "__main__":

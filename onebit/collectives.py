@@ -15,11 +15,11 @@ their scales; every rank decodes the same bytes, so the output is bit-identical 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .backends.base import COMPLETED, CommBackend, Pending
-from collections.abc import Sequence
-
 from .compression import chunk_bytes, padded_length, read_scales, row_bytes, write_scale_
 from .kernels import REFERENCE, KernelSet
 

@@ -1,63 +1,211 @@
-"""The distributed compressed all-reduce against the single-process oracle, on real gloo ranks."""
+"""The distributed compressed all-reduce against the single-process oracle, on real gloo ranks.
+
+A bucket holds several tensors, each a segment (or, with ``scale_block_size``, several) with its
+own scales: the gloo ranks run ``compressed_allreduce_`` with the segment table of
+:class:`onebit.compression.SegmentLayout` and must equal ``simulate_compressed_allreduce(...,
+numels=...)`` bit for bit, in two collective calls whatever the number of segments.
+"""
 
 from __future__ import annotations
+
+import functools
+import re
 
 import pytest
 import torch
 
 from distributed import run_ranks
-from onebit.backends import resolve_backend
+from onebit.backends.torch_dist import TorchDistBackend
 from onebit.collectives import CompressionState, compressed_allreduce_
-from onebit.compression import padded_length
+from onebit.compression import SegmentLayout, padded_length, row_bytes
+from onebit.kernels import REFERENCE, get_kernels
 from onebit.testing import simulate_compressed_allreduce
 
 NUMEL = 1000  # not a multiple of 8 n: exercises padding
 ROUNDS = 6
+# name -> (numels, scale_block_size). Sizes 1 and 48 (a multiple of 8 n for n = 2 and 3, so no
+# padding), the others not multiples of 8 n; "blocks" cuts 300 and 1000 into blocks of 112 or
+# 120 (100 rounded up to a multiple of 8 n); "many" is 80 segments.
+LAYOUTS = {
+    "one tensor": ([NUMEL], None),
+    "tensors": ([1, 7, 48, 100, 333, 511], None),
+    "blocks": ([300, 5, 1000, 1, 48], 100),
+    "many": ([1, 2, 3, 5, 8] * 16, None),
+}
+KERNELS = ["reference", "cpu"]  # "cpu": the native CPU kernels (or the reference where they do not load)
 
 
-def _inputs(world_size: int, rounds: int, numel: int) -> list[list[torch.Tensor]]:
-    """inputs[t][i]: rank i's buffer in round t (a common drift plus per-rank noise)."""
+def _inputs(world_size: int, rounds: int, numels: list[int]) -> list[list[torch.Tensor]]:
+    """inputs[t][i]: rank i's flat buffer (the tensors end to end) in round t: a common drift plus
+    per-rank noise, each tensor at its own magnitude (1e-2, 1, 1e2, ...) so the scales differ."""
     gen = torch.Generator().manual_seed(1234)
-    drift = torch.randn(numel, generator=gen)
-    return [[drift + torch.randn(numel, generator=gen) for _ in range(world_size)] for _ in range(rounds)]
+    magnitude = torch.cat([torch.full((numel,), 10.0 ** (t % 3 - 1)) for t, numel in enumerate(numels)])
+    drift = torch.randn(sum(numels), generator=gen)
+    return [[(drift + torch.randn(sum(numels), generator=gen)) * magnitude for _ in range(world_size)]
+            for _ in range(rounds)]
 
 
-def _rank_rounds(rank: int, world_size: int, rounds: int, numel: int) -> dict:
-    backend = resolve_backend("gloo")
-    padded = padded_length(numel, world_size)
-    state = CompressionState(padded, world_size, "cpu")
-    outputs, worker_errors, server_errors = [], [], []
-    for inputs in _inputs(world_size, rounds, numel):
-        buffer = torch.zeros(padded)
-        buffer[:numel] = inputs[rank]
-        compressed_allreduce_(buffer, state, backend)
-        outputs.append(buffer[:numel].clone())
-        worker_errors.append(state.worker_error.clone())
-        server_errors.append(state.server_error.clone())
-    return {"outputs": outputs, "worker_errors": worker_errors, "server_errors": server_errors}
+class CountingBackend(TorchDistBackend):
+    """The gloo transport, recording every collective call with the bytes it sends."""
+
+    def __init__(self) -> None:
+        super().__init__(expected="gloo")
+        self.calls: list[tuple[str, int]] = []
+
+    def _count(name):
+        def method(self, output, *args):
+            tensor = args[0] if args else output
+            self.calls.append((name, tensor.numel() * tensor.element_size()))
+            return getattr(TorchDistBackend, name)(self, output, *args)
+        return method
+
+    all_reduce_mean_ = _count("all_reduce_mean_")
+    all_to_all = _count("all_to_all")
+    all_gather = _count("all_gather")
+    start_all_to_all = _count("start_all_to_all")
+    start_all_gather = _count("start_all_gather")
+    del _count
+
+
+def _rank_rounds(rank: int, world_size: int, rounds: int) -> dict:
+    """Every layout and kernel set in one process group: ``ROUNDS`` compressed all-reduces each."""
+    results = {}
+    for name, (numels, block) in LAYOUTS.items():
+        layout = SegmentLayout.build(numels, world_size, block)
+        for kernels_name in KERNELS:
+            kernels = REFERENCE if kernels_name == "reference" else get_kernels("cpu")
+            backend = CountingBackend()
+            # One segment: the default table (no edges), as for a bucket of one tensor.
+            edges = None if layout.segments == 1 else layout.edges
+            state = CompressionState(layout.padded, world_size, "cpu", edges)
+            out = {"buffers": [], "outputs": [], "worker_errors": [], "server_errors": [], "calls": []}
+            for inputs in _inputs(world_size, rounds, numels):
+                buffer, offset = torch.zeros(layout.padded), 0
+                for place in layout.slices():
+                    buffer[place] = inputs[rank][offset:offset + place.stop - place.start]
+                    offset += place.stop - place.start
+                before = len(backend.calls)
+                compressed_allreduce_(buffer, state, backend, kernels)
+                out["calls"].append(backend.calls[before:])
+                out["buffers"].append(buffer.clone())
+                out["outputs"].append(torch.cat([buffer[place] for place in layout.slices()]))
+                out["worker_errors"].append(state.worker_error.clone())
+                out["server_errors"].append(state.server_error.clone())
+            results[name, kernels_name] = out
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    """``gloo_results(n)``: the results of :func:`_rank_rounds` on ``n`` gloo ranks (one launch per
+    world size for every layout and kernel set)."""
+    cache = {}
+
+    def get(world_size: int) -> list[dict]:
+        if world_size not in cache:
+            cache[world_size] = run_ranks(_rank_rounds, world_size, tmp_path_factory.mktemp(f"gloo{world_size}"), ROUNDS)
+        return cache[world_size]
+    return get
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle(world_size: int, layout_name: str) -> list:
+    """The oracle's ``ROUNDS`` results for a layout (shared by the kernel sets)."""
+    numels, block = LAYOUTS[layout_name]
+    sims, worker_errors, server_errors = [], None, None
+    for inputs in _inputs(world_size, ROUNDS, numels):
+        sim = simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=numels, scale_block_size=block)
+        worker_errors, server_errors = sim.worker_errors, sim.server_errors
+        sims.append(sim)
+    return sims
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (``-0.0`` is not ``+0.0``)."""
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("kernels_name", KERNELS)
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_matches_oracle_and_is_identical_on_every_rank(gloo_results, world_size, layout_name, kernels_name):
+    numels, block = LAYOUTS[layout_name]
+    layout = SegmentLayout.build(numels, world_size, block)
+    if layout_name == "one tensor":
+        assert layout.padded == padded_length(NUMEL, world_size) and layout.segments == 1
+    else:
+        assert layout.segments > len(numels) if block else layout.segments == len(numels)
+    results = [result[layout_name, kernels_name] for result in gloo_results(world_size)]
+    n, k = world_size, layout.segments
+    for t, sim in enumerate(_oracle(world_size, layout_name)):
+        # The whole padded result the oracle implies: chunk j of segment i is server j's signs
+        # times its scale of segment i.
+        expected = torch.zeros(layout.padded)
+        for i, (lo, hi) in enumerate(zip(layout.edges[:-1], layout.edges[1:])):
+            chunk = (hi - lo) // n
+            for j in range(n):
+                part = slice(lo + j * chunk, lo + (j + 1) * chunk)
+                expected[part] = sim.server_scales[j, i] * sim.server_signs[part]
+        for rank, result in enumerate(results):
+            # Every rank holds exactly the same bytes, padding slots included.
+            assert _same(result["buffers"][t], results[0]["buffers"][t])
+            # Worker and server errors determine the signs and scales sent: they match exactly.
+            assert _same(result["worker_errors"][t], sim.worker_errors[rank])
+            assert _same(result["server_errors"][t], sim.server_errors[rank])
+            # Two collectives, one row of signs and k scales per rank, whatever k.
+            row = row_bytes(layout.padded, n, k)
+            assert row == layout.padded // (8 * n) + 4 * k
+            assert result["calls"][t] == [("start_all_to_all", n * row), ("start_all_gather", row)]
+        assert _same(results[0]["outputs"][t], sim.output)
+        assert _same(results[0]["buffers"][t], expected)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_distributed_matches_oracle_and_is_identical_on_every_rank(tmp_path, world_size):
-    results = run_ranks(_rank_rounds, world_size, tmp_path, ROUNDS, NUMEL)
-    worker_errors = server_errors = None
-    for t, inputs in enumerate(_inputs(world_size, ROUNDS, NUMEL)):
-        sim = simulate_compressed_allreduce(inputs, worker_errors, server_errors)
-        worker_errors, server_errors = sim.worker_errors, sim.server_errors
-        for rank, result in enumerate(results):
-            # Every rank holds exactly the same bytes.
-            assert torch.equal(result["outputs"][t], results[0]["outputs"][t])
-            # Worker and server errors determine the signs and scales sent: they match exactly.
-            assert torch.equal(result["worker_errors"][t], sim.worker_errors[rank])
-            assert torch.equal(result["server_errors"][t], sim.server_errors[rank])
-        # Outputs: the same signs, scaled by the same server scales.
-        out = results[0]["outputs"][t]
-        assert torch.equal(torch.sign(out), torch.sign(sim.output))
-        chunk = padded_length(NUMEL, world_size) // world_size
-        for j in range(world_size):
-            part = out[j * chunk:(j + 1) * chunk]
-            assert torch.all(part.abs() == sim.server_scales[j])
-        torch.testing.assert_close(out, sim.output, rtol=0, atol=0)
+def test_segments_have_scales_of_their_own_on_the_wire(gloo_results, world_size):
+    """The tensors of a bucket (inputs at magnitudes 1e-2, 1, 1e2) come back at their own
+    magnitudes: one shared scale would flatten them."""
+    numels, block = LAYOUTS["tensors"]
+    out = gloo_results(world_size)[0]["tensors", "reference"]["outputs"][0]
+    offsets = torch.tensor([0, *numels]).cumsum(0).tolist()
+    for t, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+        size = out[lo:hi].abs().max().item()
+        assert 0.1 * 10.0 ** (t % 3 - 1) < size < 10 * 10.0 ** (t % 3 - 1), (t, size)
+
+
+@pytest.mark.parametrize("world_size, padded, edges", [
+    (2, 48, [16, 48]),  # does not start at 0
+    (2, 48, [0, 16, 32]),  # does not end at padded
+    (2, 48, [0, 16, 32, 64]),  # runs past padded
+    (2, 48, [0, 8, 48]),  # a segment of 8 elements: not a multiple of 8 n = 16
+    (3, 96, [0, 32, 96]),  # 32: a multiple of 8 n for n = 2, not for n = 3
+    (2, 48, [0, 16, 16, 48]),  # an empty segment
+    (2, 48, [0, 32, 16, 48]),  # edges going back
+    (2, 48, [48]),  # one edge: no segment
+    (2, 48, []),
+])
+def test_compression_state_rejects_bad_edges(world_size, padded, edges):
+    message = (f"segment edges must run from 0 to {padded} in steps that are positive multiples of {8 * world_size} "
+               "(use onebit.compression.SegmentLayout)")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        CompressionState(padded, world_size, "cpu", edges)
+
+
+def test_compression_state_takes_a_layout_and_sizes_its_wire_rows():
+    layout = SegmentLayout.build([1, 7, 48, 100], 3, None)
+    assert layout.edges == (0, 24, 48, 96, 216)
+    state = CompressionState(layout.padded, 3, "cpu", layout.edges)
+    assert state.segments == 4 and state.bounds.tolist() == list(layout.edges)
+    assert state.send.shape == state.recv.shape == state.gather_out.shape == (3, 216 // 24 + 4 * 4)
+    assert state.worker_error.shape == (216,) and state.server_error.shape == (72,)
+    # Without edges: one segment, and the length must follow the padding rule.
+    assert CompressionState(216, 3, "cpu").segments == 1
+    message = "buffer length 200 is not padded for world size 3; use onebit.compression.padded_length (here 216)"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        CompressionState(200, 3, "cpu")
 
 
 def test_oracle_output_is_a_scaled_sign_per_server_chunk():
