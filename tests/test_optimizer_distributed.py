@@ -128,7 +128,7 @@ def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkp
 
 
 @pytest.mark.parametrize("world_size,bucket_size,scale_block_size",
-                         [(2, 2**24, None), (3, 2**24, None), (2, 30, None), (3, 2**24, 24)])
+                         [(2, 2**24, None), (3, 2**24, None), (2, 30, None), (3, 2**24, 24), (2, 2**24, 16)])
 def test_trajectory_matches_simulation_in_both_phases(tmp_path, world_size, bucket_size, scale_block_size):
     """One bucket of 4 tensors (48, 8, 24, 3 elements), each with its own scales; bucket_size 30
     makes 3 buckets (48 | 8 | 24 + 3), pipelined in compression; scale_block_size 24 cuts the

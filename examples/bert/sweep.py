@@ -43,7 +43,7 @@ def configs(steps: int) -> dict[str, tuple[dict, str]]:
         "demo_adam": ({**DEMO, "freeze_step": 10**9}, "demo_adam"),
         "demo_onebit": ({**DEMO, "freeze_step": freeze}, "demo_adam"),
     }
-    for block in (256, 1024, 4096):
+    for block in (128, 1024, 4096):
         for base in ("ds", "demo"):
             params, adam = runs[f"{base}_onebit"]
             runs[f"{base}_onebit_block{block}"] = ({**params, "scale_block_size": block}, adam)
