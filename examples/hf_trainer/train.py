@@ -71,7 +71,8 @@ def main() -> None:
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         with open(f"{args.result}.rank{rank}.json", "w") as f:
             json.dump({"rank": rank, "param_sum": float(flat.double().sum()),
-                       "param_abs_sum": float(flat.double().abs().sum()), "numel": flat.numel(), "stats": stats,
+                       "param_abs_sum": float(flat.double().abs().sum()), "numel": flat.numel(),
+                       "sizes": [p.numel() for p in model.parameters()], "stats": stats,
                        "train_loss": trainer.state.log_history[-1].get("train_loss")}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
