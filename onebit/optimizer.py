@@ -33,11 +33,11 @@ DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
 # tensor whose gradient stops decays with a ratio near 1.3); a tensor that shares a scale with much
 # larger ones, as in one scale per bucket, gets errors of the size of the others' momenta.
 SKIPS_TO_WARN = 3
+ERROR_RATIO_TO_WARN = 10.0
+HEALTH_CHECK_INTERVAL = 16
 # Up to this many gradient tensors the finiteness check sums each (the fastest pass over a large
 # tensor); above it, one foreach norm call avoids a Python call per tensor.
 _FEW_TENSORS = 64
-ERROR_RATIO_TO_WARN = 10.0
-HEALTH_CHECK_INTERVAL = 16
 # Zeroing k scattered coordinates (index_fill_: 6.5 ns each) costs about what the decode's extra
 # read of a packed mask over 1000 k coordinates does (0.14 ms per 25M; one CPU core): a bucket
 # whose momentum mask has more zeros than 1/RATIO of its length hands the mask to the decode.
@@ -113,6 +113,13 @@ class _Bucket:
             size = self.padded if length is None else length
             buffer = self._scratch[name] = torch.zeros(size, dtype=torch.float32, device=self.device)
         return buffer
+
+    def dense_grads(self) -> list[torch.Tensor] | None:
+        """Views of the ``'wire'`` buffer, one per parameter: the gradients end to end, which a
+        full-precision all-reduce sends instead of the padded layout; None when nothing is padded."""
+        if self.padded == self.numel:
+            return None
+        return list(self.scratch("wire", self.numel).split([p.numel() for p in self.params]))
 
     def release_scratch(self) -> None:
         self._scratch.clear()
@@ -521,42 +528,36 @@ class OnebitAdam(torch.optim.Optimizer):
         return [(b.compression.worker_error, b.compression.server_error) for b in self._buckets
                 if b.compression is not None]
 
-    def _gather_grads(self, bucket: _Bucket, inv_scale: torch.Tensor | None) -> None:
-        grad = bucket.scratch("grad")
-        for s, p in zip(bucket.slices, bucket.params):
+    def _gather_grads(self, bucket: _Bucket, inv_scale: torch.Tensor | None, dense: bool) -> list[torch.Tensor]:
+        """Copy the gradients (None: zeros) into one of the bucket's flat buffers and return the
+        per-parameter views of it: end to end (``dense``, see :meth:`_Bucket.dense_grads`) or in
+        the bucket's padded layout (``'grad'``)."""
+        views = bucket.dense_grads() if dense else None
+        if views is None:
+            views = [bucket.scratch("grad")[s] for s in bucket.slices]
+        for view, p in zip(views, bucket.params):
             if p.grad is None:
-                grad[s].zero_()
+                view.zero_()
             else:
-                grad[s].copy_(p.grad.reshape(-1))
+                view.copy_(p.grad.reshape(-1))
         if inv_scale is not None:
-            grad.mul_(inv_scale.to(grad.device))
-
-    def _all_reduce_grads(self, bucket: _Bucket) -> None:
-        """Average the bucket's gathered gradient over ranks in full precision: exactly the
-        gradients' bytes on the wire (a padded bucket's gradients are packed end to end for it)."""
-        grad = bucket.scratch("grad")
-        if bucket.padded == bucket.numel:
-            self._backend.all_reduce_mean_(grad)
-            return
-        wire = bucket.scratch("wire", bucket.numel)
-        packed = list(wire.split([p.numel() for p in bucket.params]))
-        spread = [grad[s] for s in bucket.slices]
-        torch._foreach_copy_(packed, spread)
-        self._backend.all_reduce_mean_(wire)
-        torch._foreach_copy_(spread, packed)
+            torch._foreach_mul_(views, inv_scale.to(bucket.device))
+        return [view.view(p.shape) for view, p in zip(views, bucket.params)]
 
     def _grads_of(self, bucket: _Bucket, compressing: bool, inv_scale: torch.Tensor | None) -> list[torch.Tensor | None]:
         """The gradients this step reads, one per parameter (None: no gradient, i.e. zero).
 
         In compression the momentum is updated straight from the parameters' ``.grad`` tensors
         when they are float32 and need no unscaling: nothing else reads a flat copy there. Else
-        (warmup, where the flat buffer is all-reduced; GradScaler; other dtypes) they are gathered
-        into the bucket's flat buffer and this returns views of it."""
-        direct = compressing and bucket.compression is not None and inv_scale is None
-        if direct and all(p.grad is None or p.grad.dtype == torch.float32 for p in bucket.params):
+        they are gathered into a flat buffer and this returns views of it: for a full-precision
+        all-reduce (warmup, ``compress=False``) the gradients end to end, so that exactly their
+        bytes travel (:meth:`_full_precision_update` spreads them into the padded layout); else
+        (GradScaler, other dtypes) the bucket's padded layout."""
+        full_precision = not compressing or bucket.compression is None
+        if not full_precision and inv_scale is None and all(
+                p.grad is None or p.grad.dtype == torch.float32 for p in bucket.params):
             return [p.grad for p in bucket.params]
-        self._gather_grads(bucket, inv_scale)
-        return bucket.views(bucket.scratch("grad"))
+        return self._gather_grads(bucket, inv_scale, dense=full_precision)
 
     def _step_buckets(self, compressing: bool) -> bool:
         """Run one step over all buckets; return False when it was skipped for non-finite grads."""
@@ -582,7 +583,7 @@ class OnebitAdam(torch.optim.Optimizer):
                 self._judge_error_ratio(t)
         for bucket in self._buckets:
             if bucket not in compressed and not (self._warmup_grads_averaged and not compressing):
-                self._all_reduce_grads(bucket)
+                self._backend.all_reduce_mean_(bucket.scratch("grad" if bucket.padded == bucket.numel else "wire"))
         if not compressed:
             averaged_bad = not self._all_finite(grads)
             bad_ranks = int(averaged_bad or local_bad)
@@ -725,8 +726,12 @@ class OnebitAdam(torch.optim.Optimizer):
     def _full_precision_update(self, bucket: _Bucket, group: dict[str, Any], t: int) -> None:
         """Adam on the bucket's (averaged) flat gradient: warmup, and ``compress=False`` groups."""
         beta1, beta2 = group["betas"]
+        grad = bucket.scratch("grad")
+        dense = bucket.dense_grads()
+        if dense is not None:  # the gradients arrived end to end: into the padded layout
+            torch._foreach_copy_([grad[s] for s in bucket.slices], dense)
         m, v = bucket.exp_avg, bucket.exp_avg_sq  # the padding stays 0: its gradient is 0
-        F.adam_moments_(m, v, bucket.scratch("grad"), beta1, beta2)
+        F.adam_moments_(m, v, grad, beta1, beta2)
         if bucket.mask is not None:
             m.mul_(bucket.mask)
         bc1, bc2 = F.bias_corrections(t, t, beta1, beta2, group["bias_correction"])
