@@ -27,7 +27,7 @@ parameter tensors in the bucket.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -94,8 +94,9 @@ class SegmentLayout:
     """Where the tensors of a bucket, and their segments, lie in its flat padded buffer.
 
     ``starts[t]`` is where tensor ``t`` begins; its ``numels[t]`` elements are contiguous there,
-    followed by the padding of its last segment. ``bounds`` are the segment boundaries (the
-    kernels' segment table, a CPU int64 tensor); ``padded`` the buffer's length.
+    followed by the padding of its last segment. ``edges`` are the segment boundaries
+    ``[0, o_1, ..., M]`` (the kernels' segment table, which :class:`onebit.collectives.CompressionState`
+    holds as a tensor); ``padded`` the buffer's length.
     """
 
     numels: tuple[int, ...]
@@ -103,7 +104,6 @@ class SegmentLayout:
     scale_block_size: int | None
     starts: tuple[int, ...]
     edges: tuple[int, ...]
-    bounds: torch.Tensor = field(compare=False, repr=False)
 
     @classmethod
     def build(cls, numels: Sequence[int], world_size: int, scale_block_size: int | None = None) -> SegmentLayout:
@@ -124,8 +124,7 @@ class SegmentLayout:
                 rest -= piece
                 if rest <= 0:
                     break
-        return cls(tuple(numels), n, scale_block_size, tuple(starts), tuple(edges),
-                   torch.tensor(edges, dtype=torch.int64))
+        return cls(tuple(numels), n, scale_block_size, tuple(starts), tuple(edges))
 
     @property
     def padded(self) -> int:

@@ -73,6 +73,12 @@ def check_bounds(bounds: torch.Tensor | None, total: int, unit: int, what: str) 
     return bounds.contiguous(), edges
 
 
+def claimed_segments(bounds: torch.Tensor | None) -> int:
+    """The number of segments a table claims, for checking ``scales`` before the table itself is
+    checked (:func:`check_bounds`)."""
+    return bounds.numel() - 1 if isinstance(bounds, torch.Tensor) and bounds.numel() > 1 else 1
+
+
 def check_worker(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, device_type: str) -> int:
     """Validate worker arguments; return the element count."""
     n = x.numel()

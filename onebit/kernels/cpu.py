@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from . import KernelSet, register
-from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, flat_float
+from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, claimed_segments, flat_float
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +157,6 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def _segments(bounds: torch.Tensor | None) -> int:
-    """The number of segments a table claims (its checks come later), for the checks of ``scales``."""
-    return bounds.numel() - 1 if isinstance(bounds, torch.Tensor) and bounds.numel() > 1 else 1
-
-
 class CpuKernels:
     """The three codec operations over the compiled library (plus test hooks)."""
 
@@ -214,7 +209,7 @@ class CpuKernels:
     def server_compress_(self, signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
                          packed: torch.Tensor, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.server_compress_`: returns the ``(k,)`` server scales."""
-        n = check_server(signs, scales, error, packed, "cpu", _segments(bounds))
+        n = check_server(signs, scales, error, packed, "cpu", claimed_segments(bounds))
         nrows = signs.shape[0]
         table, k = self._table(bounds, n * nrows, 8 * nrows, "server_compress_")
         rows = byte_rows(signs, output=False)
@@ -232,7 +227,7 @@ class CpuKernels:
     def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                 keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.decode_`."""
-        check_decode(signs, scales, out, "cpu", keep, _segments(bounds))
+        check_decode(signs, scales, out, "cpu", keep, claimed_segments(bounds))
         nrows, cols = signs.shape
         table, k = self._table(bounds, out.numel(), 8 * nrows, "decode_")
         rows = byte_rows(signs, output=False)

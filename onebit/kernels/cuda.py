@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from . import KernelSet, register
-from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, flat_float
+from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, claimed_segments, flat_float
 from .blocked import BLOCK, LANES
 
 logger = logging.getLogger(__name__)
@@ -91,10 +91,6 @@ class _Plan:
     levels: tuple[tuple[torch.Tensor, int], ...]  # per tree level: (2 G,) input ranges [lo, hi), G
 
 
-def _repeat(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return torch.repeat_interleave(values, counts)
-
-
 def _build_plan(edges: list[int], device: torch.device) -> _Plan:
     """The tables the kernels read for the segment table ``edges`` (see the ``.cu`` file).
 
@@ -109,7 +105,7 @@ def _build_plan(edges: list[int], device: torch.device) -> _Plan:
     seg_ids = torch.arange(k, dtype=torch.int64)
     lens = e[1:] - e[:-1]
     per_seg = (lens + BLOCK - 1) // BLOCK
-    block_seg = _repeat(seg_ids, per_seg)
+    block_seg = torch.repeat_interleave(seg_ids, per_seg)
     first_block = torch.cumsum(per_seg, 0) - per_seg
     index = torch.arange(block_seg.numel(), dtype=torch.int64)
     starts = e[:-1][block_seg] + (index - first_block[block_seg]) * BLOCK
@@ -120,7 +116,7 @@ def _build_plan(edges: list[int], device: torch.device) -> _Plan:
         # max(1, ...): an empty segment (only a zero-length buffer has one) still gets its group.
         groups = torch.clamp((values + TREE_GROUP - 1) // TREE_GROUP, min=1)
         offsets = torch.cumsum(values, 0) - values
-        group_seg = _repeat(seg_ids, groups)
+        group_seg = torch.repeat_interleave(seg_ids, groups)
         first_group = torch.cumsum(groups, 0) - groups
         within = torch.arange(group_seg.numel(), dtype=torch.int64) - first_group[group_seg]
         lo = offsets[group_seg] + within * TREE_GROUP
@@ -137,11 +133,6 @@ def _build_plan(edges: list[int], device: torch.device) -> _Plan:
         at += part.numel()
     return _Plan(segments=k, bounds=views[0], counts=views[1], blocks=views[2], nblocks=block_seg.numel(),
                  levels=tuple(zip(views[3:], levels)))
-
-
-def _segment_count(bounds: torch.Tensor | None) -> int:
-    """The number of segments a table claims (for the scales' count; check_bounds validates it)."""
-    return bounds.numel() - 1 if isinstance(bounds, torch.Tensor) and bounds.numel() > 1 else 1
 
 
 class CudaCodec:
@@ -200,7 +191,7 @@ class CudaCodec:
 
     def server_compress_(self, signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
                          packed: torch.Tensor, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
-        n = check_server(signs, scales, error, packed, self.device_type, _segment_count(bounds))
+        n = check_server(signs, scales, error, packed, self.device_type, claimed_segments(bounds))
         nrows = signs.shape[0]
         # The table spans the whole buffer (nrows chunks of n elements); this chunk is cut by bounds / nrows.
         _, edges = check_bounds(bounds, n * nrows, 8 * nrows, "server_compress_")
@@ -221,7 +212,7 @@ class CudaCodec:
 
     def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                 keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
-        check_decode(signs, scales, out, self.device_type, keep, _segment_count(bounds))
+        check_decode(signs, scales, out, self.device_type, keep, claimed_segments(bounds))
         nrows = signs.shape[0]
         _, edges = check_bounds(bounds, out.numel(), 8 * nrows, "decode_")
         plan = self._plan(edges, out.device)
