@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -45,11 +44,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import onebit.functional as onebit_functional
 from onebit import OnebitAdam
 from onebit.estimate import measure_local_costs
 from onebit.integrations import attach_ddp
-from onebit.kernels import KernelSet
 
 DEFAULT_CONFIGS = ("adam", "powersgd1", "powersgd4", "onebit_warmup", "onebit_compression")
 ONEBIT_DDP_CONFIGS = ("onebit_ddp_compression", "onebit_ddp_nosync_compression", "onebit_ddp_view_compression")
@@ -76,28 +73,17 @@ def _counters() -> dict[str, int] | None:
 
 
 class _Timers:
-    """Accumulates seconds by label for the step being timed."""
+    """Accumulates seconds by label for the step being timed (``OnebitOptimizer.register_timer``)."""
 
     def __init__(self) -> None:
         self.active: dict[str, float] | None = None
 
-    def wrap(self, label: str, fn):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self.active is not None:
-                    self.active[label] = self.active.get(label, 0.0) + time.perf_counter() - start
-        return timed
+    def __call__(self, label: str, seconds: float) -> None:
+        if self.active is not None:
+            self.active[label] = self.active.get(label, 0.0) + seconds
 
 
 TIMERS = _Timers()
-# The optimizer calls these through the module (``F.momentum_``), so wrapping the module's names
-# times them for every OnebitAdam in this process.
-for _name in ("momentum_", "adam_moments_", "adam_direction_"):
-    setattr(onebit_functional, _name, TIMERS.wrap(_name.rstrip("_"), getattr(onebit_functional, _name)))
 
 
 def serialized_powersgd_hook(state, bucket):  # unannotated: DDP checks the annotations at run time
@@ -109,22 +95,6 @@ def serialized_powersgd_hook(state, bucket):  # unannotated: DDP checks the anno
     fut = powersgd.powerSGD_hook(state, bucket)
     fut.wait()
     return fut
-
-
-# OnebitAdam methods timed in the compression configuration, when the installed version has them.
-TIMED_METHODS = {"_gather_grads": "gather_grads", "_all_finite": "finite_check", "_frozen_denominator": "denominator"}
-
-
-def _instrument(opt: OnebitAdam) -> None:
-    opt._kernels = {
-        device: KernelSet(name=k.name, worker_compress_=TIMERS.wrap("codec_worker", k.worker_compress_),
-                          server_compress_=TIMERS.wrap("codec_server", k.server_compress_),
-                          decode_=TIMERS.wrap("codec_decode", k.decode_))
-        for device, k in opt._kernels.items()
-    }
-    for method, label in TIMED_METHODS.items():
-        if hasattr(opt, method):
-            setattr(opt, method, TIMERS.wrap(label, getattr(opt, method)))
 
 
 class Config:
@@ -150,7 +120,7 @@ class Config:
                 attach_ddp(self.forward, self.optimizer)
                 self.no_sync = name == "onebit_ddp_nosync_compression"
             else:
-                _instrument(self.optimizer)
+                self.optimizer.register_timer(TIMERS)
         else:
             raise ValueError(f"unknown configuration {name!r}; expected one of {', '.join(ALL_CONFIGS)}")
         self.records: list[dict] = []

@@ -71,26 +71,23 @@ def _where(obj) -> str:
 
 
 def profile_where() -> dict[str, str]:
-    """Where each profiled part of the compression step lives in the code that ran."""
-    from onebit import collectives, functional
+    """Where each profiled part of the compression step (the labels of
+    ``OnebitOptimizer.register_timer``) lives in the code that ran."""
+    from onebit import buckets, collectives, frozen
+    from onebit.adam import OnebitAdam
     from onebit.kernels import cpu
-    from onebit.optimizer import OnebitAdam
 
-    where = {
-        "gather_grads": _where(OnebitAdam._gather_grads),
-        "momentum": _where(functional.momentum_),
+    return {
+        "gather_grads": _where(buckets.grads_of),
+        "finite_check": _where(buckets.all_finite),
+        "compress_input": _where(frozen.FrozenVarianceOptimizer._compress_input) + " (the momentum update)",
         "codec_worker": _where(cpu.CpuKernels.worker_compress_) + " (fused C++)",
         "codec_server": _where(cpu.CpuKernels.server_compress_) + " (fused C++)",
         "codec_decode": _where(cpu.CpuKernels.decode_) + " (fused C++)",
+        "update": _where(OnebitAdam._update_compressed) + " (the frozen denominator, once; the parameter update)",
         "comm": _where(collectives.compressed_allreduce_) + ": all_to_all + all_gather; the finiteness flag all-reduce",
-        "rest": (_where(OnebitAdam._compressed_update)
-                 + " and _step_buckets: mask, parameter update (division by the denominator), bookkeeping"),
+        "rest": "the remainder of OnebitOptimizer.step: the keep mask, bookkeeping",
     }
-    if hasattr(OnebitAdam, "_all_finite"):
-        where["finite_check"] = _where(OnebitAdam._all_finite)
-    if hasattr(OnebitAdam, "_frozen_denominator"):
-        where["denominator"] = _where(OnebitAdam._frozen_denominator)
-    return where
 
 
 def code_version() -> dict:

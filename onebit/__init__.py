@@ -1,16 +1,18 @@
-"""onebit: 1-bit Adam for any PyTorch training loop.
+"""onebit: 1-bit optimizers for any PyTorch training loop.
 
-``OnebitAdam`` runs Adam with a full-precision gradient all-reduce for ``freeze_step`` warmup
-steps, then freezes the variance and averages the momentum with an error-compensated 1-bit
-compressed all-reduce (Tang et al., 2021, arXiv 2102.02888).
+``OnebitAdam`` (Tang et al., 2021, arXiv 2102.02888) and ``OnebitLamb`` (Li et al., 2021, arXiv
+2104.06069) run their full-precision algorithm with a gradient all-reduce for ``freeze_step``
+warmup steps, then freeze the variance and average the momentum with an error-compensated 1-bit
+compressed all-reduce. Both are thin subclasses of :class:`onebit.engine.OnebitOptimizer`.
 """
 
 from .backends import BACKEND_NAMES, CommBackend, LocalBackend
 from .checkpoint import load_checkpoint, save_checkpoint
 from .collectives import CompressionState, compressed_allreduce_
 from .config import from_config
-from .estimate import estimate_speedup
-from .optimizer import OnebitAdam
+from .adam import OnebitAdam
+from .engine import OnebitOptimizer, StepPlan
+from .lamb import OnebitLamb
 
 __version__ = "0.1.0"
 
@@ -20,6 +22,9 @@ __all__ = [
     "CompressionState",
     "LocalBackend",
     "OnebitAdam",
+    "OnebitLamb",
+    "OnebitOptimizer",
+    "StepPlan",
     "compressed_allreduce_",
     "estimate_speedup",
     "from_config",
@@ -27,3 +32,13 @@ __all__ = [
     "save_checkpoint",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # Imported on first use: ``python -m onebit.estimate`` then runs a module that is not yet
+    # imported (runpy warns otherwise), and ``import onebit`` stays light.
+    if name == "estimate_speedup":
+        from .estimate import estimate_speedup
+
+        return estimate_speedup
+    raise AttributeError(f"module 'onebit' has no attribute {name!r}")

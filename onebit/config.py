@@ -1,20 +1,23 @@
-"""Build :class:`onebit.OnebitAdam` from a DeepSpeed-style config (dict, JSON file or YAML file).
+"""Build a onebit optimizer from a DeepSpeed-style config (dict, JSON file or YAML file).
 
 A whole DeepSpeed config is accepted as it is; only its optimizer section is read::
 
     {
       "train_batch_size": 4096,                      # other sections: ignored (one log line)
       "optimizer": {
-        "type": "OneBitAdam",                        # case-insensitive
+        "type": "OneBitAdam",                        # or "OneBitLamb"; case-insensitive
         "params": {"lr": 4e-4, "weight_decay": 0.01, "freeze_step": 23000,
                    "cuda_aware": false, "comm_backend_name": "nccl"}
       }
     }
 
-``params`` takes DeepSpeed's keys (``lr``, ``betas``, ``eps``, ``weight_decay``, ``freeze_step``,
-``cuda_aware``, ``comm_backend_name``, ``bias_correction``) and every other keyword argument of
-:class:`OnebitAdam` that is a plain value (``bucket_size``, ``kernels``, ...): :data:`CONFIG_KEYS`.
-Only the keys present are passed on: every default is :class:`OnebitAdam`'s.
+``params`` takes DeepSpeed's keys for that type (OneBitAdam: ``lr``, ``betas``, ``eps``,
+``weight_decay``, ``freeze_step``, ``cuda_aware``, ``comm_backend_name``, ``bias_correction``;
+OneBitLamb: the same without ``bias_correction``, plus ``max_coeff``, ``min_coeff``,
+``coeff_beta``, ``factor_max``, ``factor_min``, ``factor_threshold``) and every other keyword
+argument of the optimizer that is a plain value (``bucket_size``, ``kernels``, ...):
+:data:`CONFIG_KEYS`. Only the keys present are passed on: every default is the optimizer's. Keys
+DeepSpeed accepted and ignored raise, with the reason.
 """
 
 from __future__ import annotations
@@ -30,13 +33,18 @@ from typing import Any, Callable
 import torch
 
 from .backends import CommBackend
-from .optimizer import OnebitAdam
+from .adam import OnebitAdam
+from .engine import OnebitOptimizer
+from .lamb import DEEPSPEED_IGNORED as _LAMB_IGNORED
+from .lamb import OnebitLamb
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["from_config", "load_config", "optimizer_kwargs", "CONFIG_KEYS"]
 
-OPTIMIZER_TYPE = "OneBitAdam"
+# DeepSpeed's type names (matched case-insensitively, as DeepSpeed did) and what they build.
+OPTIMIZER_TYPES: dict[str, type[OnebitOptimizer]] = {"OneBitAdam": OnebitAdam, "OneBitLamb": OnebitLamb}
+OPTIMIZER_TYPE = "OneBitAdam"  # the one named in hints
 _SECTION = "optimizer"
 _YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -58,7 +66,7 @@ def _optional_str(value: Any) -> bool:
 
 
 # key -> (type check, what it must be), for the value types a file can hold. Ranges, and keys
-# without an entry here, are checked by OnebitAdam itself.
+# without an entry here, are checked by the optimizer itself.
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lr": (_real, "a number"),
     "betas": (_pair, "a list of two numbers [beta1, beta2]"),
@@ -71,26 +79,31 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bucket_size": (_integer, "an integer (elements per bucket)"),
     "kernels": (_optional_str, "a string such as \"auto\" or \"reference\", or null"),
     "nonfinite_grads": (lambda v: isinstance(v, str), "a string such as \"skip\" or \"raise\""),
+    "divergence": (lambda v: isinstance(v, str), "a string such as \"warn\" or \"raise\""),
+    "scale_block_size": (lambda v: v is None or _integer(v), "an integer (elements per scale) or null"),
+    **{key: (_real, "a number")
+       for key in ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")},
 }
 
-# OnebitAdam arguments that take Python objects: arguments of from_config instead.
+# Optimizer arguments that take Python objects: arguments of from_config instead.
 _NOT_IN_FILES = ("params", "backend", "group", "momentum_masks")
 
 
-def _config_keys() -> tuple[str, ...]:
+def _config_keys(cls: type[OnebitOptimizer]) -> tuple[str, ...]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    parameters = inspect.signature(OnebitAdam.__init__).parameters.values()
-    return tuple(sorted(p.name for p in parameters if p.kind in kinds and p.name not in ("self", *_NOT_IN_FILES)))
+    names = set()
+    for function in (cls.__init__, OnebitOptimizer.__init__):
+        names |= {p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds}
+    return tuple(sorted(names - {"self", "defaults", *_NOT_IN_FILES}))
 
 
-#: keys accepted in ``optimizer.params``: OnebitAdam's keyword arguments that are plain values
-CONFIG_KEYS = _config_keys()
+#: keys accepted in ``optimizer.params``, per type: the optimizer's keyword arguments that are plain values
+CONFIG_KEYS = {name: _config_keys(cls) for name, cls in OPTIMIZER_TYPES.items()}
 
-# Keys DeepSpeed's OnebitAdam accepted and ignored: onebit refuses them with the reason.
+# Keys DeepSpeed's optimizers accepted and ignored: onebit refuses them with the reason.
 _DEEPSPEED_IGNORED = {
-    "eps_inside_sqrt": "eps is always added outside the square root (DeepSpeed's behaviour)",
-    "max_grad_norm": "clip gradients in the training loop (torch.nn.utils.clip_grad_norm_) before step()",
-    "amsgrad": "AMSGrad is not implemented",
+    "OneBitAdam": {key: why for key, why in _LAMB_IGNORED.items() if key != "bias_correction"},
+    "OneBitLamb": _LAMB_IGNORED,
 }
 
 
@@ -160,9 +173,10 @@ def _real_string(text: str) -> bool:
     return True
 
 
-def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """Validate a (whole) config; return the keyword arguments for :class:`OnebitAdam` found in its
-    optimizer section and the names of the other top-level sections (not read by onebit)."""
+def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[type[OnebitOptimizer], dict[str, Any], list[str]]:
+    """Validate a (whole) config; return the optimizer class its optimizer section names, the
+    keyword arguments found there, and the names of the other top-level sections (not read by
+    onebit)."""
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping, got {type(config).__name__}")
     if _SECTION not in config:
@@ -185,11 +199,15 @@ def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
     kind = section["type"]
     if not isinstance(kind, str):
         raise TypeError(f"optimizer.type must be a string, got {kind!r} of type {type(kind).__name__}")
-    if kind.lower() != OPTIMIZER_TYPE.lower():
+    matches = [name for name in OPTIMIZER_TYPES if name.lower() == kind.lower()]
+    if not matches:
+        names = " or ".join(repr(name) for name in OPTIMIZER_TYPES)
         raise ValueError(
-            f"unsupported optimizer type {kind!r}; onebit builds only {OPTIMIZER_TYPE!r} (case-insensitive): "
-            f"set \"type\": \"{OPTIMIZER_TYPE}\" or build {kind!r} another way"
+            f"unsupported optimizer type {kind!r}; onebit builds {names} (case-insensitive): "
+            f"set \"type\": \"{OPTIMIZER_TYPE}\", for example, or build {kind!r} another way"
         )
+    kind = matches[0]
+    keys, ignored = CONFIG_KEYS[kind], _DEEPSPEED_IGNORED[kind]
     params = section.get("params", {})
     if params is None:
         params = {}
@@ -197,19 +215,19 @@ def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
         raise TypeError(f"optimizer.params must be a mapping of keyword arguments, got {type(params).__name__}")
     kwargs: dict[str, Any] = {}
     for key, value in params.items():
-        if key in _DEEPSPEED_IGNORED:
+        if key in ignored:
             raise ValueError(
-                f"optimizer.params.{key} is not supported ({_DEEPSPEED_IGNORED[key]}); DeepSpeed accepted "
+                f"optimizer.params.{key} is not supported by {kind} ({ignored[key]}); DeepSpeed accepted "
                 f"and ignored it, onebit does not: remove {key!r} from the config"
             )
-        if key not in CONFIG_KEYS:
-            valid = ", ".join(repr(k) for k in CONFIG_KEYS)
-            raise ValueError(f"unknown key {key!r} in optimizer.params; expected some of {valid}")
+        if key not in keys:
+            valid = ", ".join(repr(k) for k in keys)
+            raise ValueError(f"unknown key {key!r} in optimizer.params of {kind}; expected some of {valid}")
         check, expected = _CHECKS.get(key, (lambda v: True, ""))
         if not check(value):
             raise _type_error(key, value, expected)
         kwargs[key] = tuple(value) if key == "betas" else value
-    return kwargs, others
+    return OPTIMIZER_TYPES[kind], kwargs, others
 
 
 def from_config(
@@ -219,8 +237,9 @@ def from_config(
     backend: CommBackend | None = None,
     group: Any = None,
     momentum_masks: Mapping[torch.Tensor, torch.Tensor] | None = None,
-) -> OnebitAdam:
-    """Build a ready :class:`OnebitAdam` (with its backend) from a DeepSpeed-style config.
+) -> OnebitOptimizer:
+    """Build a ready :class:`OnebitAdam` or :class:`OnebitLamb` (with its backend) from a
+    DeepSpeed-style config.
 
     Args:
         params: the model's parameters or param groups, as for any optimizer.
@@ -231,19 +250,19 @@ def from_config(
             ``comm_backend_name``).
         group: the torch.distributed process group or mpi4py communicator of the data-parallel
             ranks (default: the whole job).
-        momentum_masks: ``{param: mask}``, as for :class:`OnebitAdam` (not expressible in a file).
+        momentum_masks: ``{param: mask}``, as for the optimizer (not expressible in a file).
 
     Raises:
         ValueError / TypeError: a missing optimizer section, another optimizer type, an unknown
             key in ``params`` (the message lists the valid ones), or a value of the wrong type.
     """
-    kwargs, others = optimizer_kwargs(load_config(config))
+    cls, kwargs, others = optimizer_kwargs(load_config(config))
     if backend is not None and "comm_backend_name" in kwargs:
         raise ValueError(
             f"the config sets comm_backend_name={kwargs['comm_backend_name']!r} and backend= was passed too; "
             "remove comm_backend_name from the config or do not pass backend="
         )
-    optimizer = OnebitAdam(params, backend=backend, group=group, momentum_masks=momentum_masks, **kwargs)
+    optimizer = cls(params, backend=backend, group=group, momentum_masks=momentum_masks, **kwargs)
     if others and optimizer.backend.rank == 0:
         logger.info("onebit: config sections not read by onebit (apply them yourself if needed): %s", ", ".join(others))
     return optimizer

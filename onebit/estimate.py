@@ -42,14 +42,13 @@ import math
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .compression import allreduce_wire_bytes, chunk_bytes, compressed_wire_bytes, padded_length, row_bytes
-from .kernels import KernelSet, get_kernels
-from .optimizer import DEFAULT_BUCKET_SIZE
+from .kernels import get_kernels
+from .engine import DEFAULT_BUCKET_SIZE
 
 __all__ = [
     "SpeedupEstimate",
@@ -61,10 +60,6 @@ __all__ = [
     "onebit_allreduce_bytes",
     "TCP_ETHERNET_EFFICIENCY",
 ]
-
-# ``python -m onebit.estimate`` runs this module while the package (whose __init__ imports it) is
-# already imported; runpy then warns that it was "found in sys.modules". That is expected here.
-warnings.filterwarnings("ignore", message="'onebit.estimate' found in sys.modules", category=RuntimeWarning)
 
 # TCP payload per 1500-byte frame (IPv4 + TCP with timestamps: 1448 bytes) over the 1514 bytes the
 # frame takes on an Ethernet link (without preamble, FCS and inter-frame gap).
@@ -210,7 +205,7 @@ def measure_local_costs(num_params: int, world_size: int = 2, *, sample: int = D
     the codec throughput (:func:`measure_codec_gbps`), a ``torch.optim.Adam`` step, and an
     ``OnebitAdam`` compression step on one process (world size 1) minus its own codec time."""
     from .backends import LocalBackend
-    from .optimizer import OnebitAdam
+    from .adam import OnebitAdam
 
     num_params = _int_at_least("num_params", num_params, 1)
     n = _int_at_least("world_size", world_size, 1)
@@ -239,17 +234,11 @@ def measure_local_costs(num_params: int, world_size: int = 2, *, sample: int = D
     # measurement, subtracted, is noisier than the whole remainder on a loaded machine).
     in_codec = [0.0]
 
-    def timed(fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                in_codec[0] += time.perf_counter() - start
-        return run
+    def timer(label: str, seconds: float) -> None:
+        if label.startswith("codec_"):
+            in_codec[0] += seconds
 
-    onebit._kernels = {device: KernelSet(k.name, timed(k.worker_compress_), timed(k.server_compress_), timed(k.decode_))
-                       for device, k in onebit._kernels.items()}
+    onebit.register_timer(timer)
 
     def maths() -> float:
         in_codec[0] = 0.0

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["adam_moments_", "momentum_", "adam_denominator_", "adam_direction_", "bias_corrections"]
+__all__ = ["adam_moments_", "momentum_", "adam_denominator_", "adam_direction_", "bias_corrections",
+           "lamb_trust_ratio", "reconstructed_grad_", "lamb_factor"]
 
 
 def adam_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float) -> None:
@@ -70,3 +71,45 @@ def adam_direction_(
     if bc1 != 1.0:
         out.div_(bc1)
     return out
+
+
+# ----------------------------------------------------------------------------- 1-bit LAMB
+#
+# LAMB (You et al., 2019) scales each tensor's Adam direction u by a trust ratio ||p|| / ||u||.
+# 1-bit LAMB (Li et al., 2021) freezes it after the warmup: an exponential average of the warmup
+# ratios, times a per-tensor factor that tracks how the frozen variance compares with a fresh one,
+# estimated from the compressed momentum. DeepSpeed 0.19.6's numerics, less its defects (see
+# onebit.lamb).
+
+
+def lamb_trust_ratio(param_norms: torch.Tensor, update_norms: torch.Tensor, min_coeff: float,
+                     max_coeff: float) -> torch.Tensor:
+    """Per tensor, ``clamp(||p|| / ||u||, min_coeff, max_coeff)``; where a norm is 0 the ratio is
+    1, clamped too (float64)."""
+    p, u = param_norms.double(), update_norms.double()
+    ratio = torch.where((p > 0) & (u > 0), p / u.where(u > 0, 1.0), 1.0)
+    return ratio.clamp_(min_coeff, max_coeff)
+
+
+def reconstructed_grad_(prev: torch.Tensor, exp_avg: torch.Tensor, beta1: float) -> torch.Tensor:
+    """``prev <- (m - beta1 * prev) / (1 - beta1)``: the gradient that would have moved the
+    momentum from ``prev`` to the compressed average ``m``."""
+    prev.mul_(beta1)
+    torch.sub(exp_avg, prev, out=prev)
+    return prev.div_(1 - beta1)
+
+
+def lamb_factor(max_ratio: torch.Tensor, prelim_norms: torch.Tensor | None, update_norms: torch.Tensor | None,
+                last_factor: torch.Tensor, factor_min: float, factor_max: float, threshold: float) -> torch.Tensor:
+    """1-bit LAMB's per-tensor factor in compression (float64), from ``max_ratio``: the largest
+    ``(sqrt(v) + eps) / (sqrt(v_fresh) + eps)`` over the tensor's live coordinates. With weight
+    decay (``prelim_norms`` = ``||m / d||``, ``update_norms`` = ``||m / d + wd p||``) it is pulled
+    towards 1 by ``r = min(1, prelim / update)``: ``f r + (1 - r)``; then clamped to
+    ``[factor_min, factor_max]`` and to within ``threshold`` (relative) of ``last_factor``."""
+    factor = max_ratio.double()
+    if prelim_norms is not None and update_norms is not None:
+        prelim, update = prelim_norms.double(), update_norms.double()
+        r = torch.where(update > 0, prelim / update.where(update > 0, 1.0), 1.0).clamp_(max=1.0)
+        factor = factor * r + (1.0 - r)
+    factor = factor.clamp(factor_min, factor_max)
+    return torch.minimum(torch.maximum(factor, last_factor * (1 - threshold)), last_factor * (1 + threshold))

@@ -1,4 +1,4 @@
-"""Communication statistics: bytes each rank sends, collective calls, and time, by phase.
+"""Communication statistics: bytes each rank sends, collective calls, and time, by kind of step.
 
 Bytes follow the bandwidth-optimal algorithm of each collective (what a ring or pairwise
 exchange sends from one rank), so they compare across transports:
@@ -10,17 +10,20 @@ exchange sends from one rank), so they compare across transports:
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from .backends.base import CommBackend, Pending
 from .compression import allreduce_wire_bytes
+from .kernels import KernelSet
 
-__all__ = ["PhaseStats", "InstrumentedBackend"]
-
-PHASES = ("warmup", "compression")
+__all__ = ["PhaseStats", "InstrumentedBackend", "StepTimers", "timed_kernels"]
 
 
 @dataclass
@@ -54,19 +57,34 @@ class _Timed:
 
 
 class InstrumentedBackend(CommBackend):
-    """Wraps a transport and counts what passes through it, under the current ``phase``.
+    """Wraps a transport and counts what passes through it, under the kind of the current step
+    (one of ``names``: the optimizer's plan names).
 
     Owned by the optimizer; times are host wall-clock seconds around each call, and for a started
     collective its start plus its wait (on an asynchronous device this is the time to enqueue,
     unless the transport itself waits).
     """
 
-    def __init__(self, inner: CommBackend) -> None:
+    def __init__(self, inner: CommBackend, names: tuple[str, ...]) -> None:
         self.inner = inner
         self.name = inner.name
-        self.phase = "warmup"
-        self.totals = {p: PhaseStats() for p in PHASES}
+        self.names = names
+        self.reset()
+
+    def reset(self) -> None:
+        self.kind = self.names[0]
+        self.totals = {name: PhaseStats() for name in self.names}
         self.last_step = PhaseStats()
+
+    def begin_step(self, kind: str) -> None:
+        self.kind = kind
+        self.last_step = PhaseStats()
+
+    def end_step(self, applied: bool, seconds: float) -> None:
+        for stats in (self.totals[self.kind], self.last_step):
+            stats.steps += int(applied)
+            stats.skipped_steps += int(not applied)
+            stats.step_time_s += seconds
 
     @property
     def rank(self) -> int:
@@ -77,7 +95,7 @@ class InstrumentedBackend(CommBackend):
         return self.inner.world_size
 
     def _record(self, nbytes: int, seconds: float) -> None:
-        for stats in (self.totals[self.phase], self.last_step):
+        for stats in (self.totals[self.kind], self.last_step):
             stats.bytes_sent += nbytes
             stats.collectives += 1
             stats.comm_time_s += seconds
@@ -120,3 +138,43 @@ class InstrumentedBackend(CommBackend):
 
     def barrier(self) -> None:
         self.inner.barrier()
+
+
+def timed_kernels(kernels: KernelSet, timed: Callable[[str], AbstractContextManager[Any]]) -> KernelSet:
+    """``kernels`` with each call inside ``timed(label)``: ``codec_worker``, ``codec_server``,
+    ``codec_decode``."""
+    def wrap(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with timed(label):
+                return fn(*args, **kwargs)
+        return run
+    return KernelSet(kernels.name, wrap("codec_worker", kernels.worker_compress_),
+                     wrap("codec_server", kernels.server_compress_), wrap("codec_decode", kernels.decode_))
+
+
+class StepTimers:
+    """The labelled parts of an optimizer step: each is a ``torch.profiler.record_function`` range
+    ``onebit.<label>``, and, when callbacks are registered, its host wall time is handed to each
+    ``callback(label, seconds)``."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[str, float], None]] = []
+
+    def add(self, callback: Callable[[str, float], None]) -> None:
+        if not callable(callback):
+            raise TypeError(f"timer must be callable, got {type(callback).__name__}")
+        self.callbacks.append(callback)
+
+    @contextlib.contextmanager
+    def __call__(self, label: str) -> Iterator[None]:
+        with torch.profiler.record_function(f"onebit.{label}"):
+            if not self.callbacks:
+                yield
+                return
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                elapsed = time.perf_counter() - start
+                for callback in self.callbacks:
+                    callback(label, elapsed)

@@ -59,7 +59,7 @@ def test_quick_compression_bytes_are_near_the_1bit_ideal(quick):
     for sent in warmup["stats_bytes_per_rank"]:
         assert sent == pytest.approx(fp32, rel=0.01)
     profile = compression["profile_s"]
-    assert {"codec_worker", "codec_server", "codec_decode", "comm", "momentum"} <= set(profile)
+    assert {"codec_worker", "codec_server", "codec_decode", "comm", "compress_input", "update"} <= set(profile)
 
 
 @pytest.mark.timeout(200)

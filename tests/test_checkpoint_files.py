@@ -92,7 +92,7 @@ def test_checkpoint_of_another_model_is_rejected_and_nothing_changes(tmp_path):
     save_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
     other, other_opt = _local(width=7)
     before = _fingerprint(other, other_opt)
-    with pytest.raises(ValueError, match=r"has shape \(5, 6\), the parameter has \(5, 7\)"):
+    with pytest.raises(ValueError, match=r"has shape \(5, 6\), the model has \(5, 7\)"):
         load_checkpoint(tmp_path / "ckpt.pt", other_opt, model=other)
     assert _unchanged(before, _fingerprint(other, other_opt))
 
@@ -101,9 +101,9 @@ def test_newer_format_is_rejected(tmp_path):
     model, opt = _local()
     save_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
     payload = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    payload["optimizer"]["onebit"]["format_version"] = 2
+    payload["optimizer"]["onebit"]["format_version"] = 3
     torch.save(payload, tmp_path / "ckpt.pt")
-    with pytest.raises(ValueError, match="format_version 2 is newer than this onebit supports"):
+    with pytest.raises(ValueError, match="format_version 3 is newer than this onebit supports"):
         load_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
 
 

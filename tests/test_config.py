@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from onebit import LocalBackend, OnebitAdam, from_config
+from onebit import LocalBackend, OnebitAdam, OnebitLamb, OnebitOptimizer, from_config
 from onebit.backends.torch_dist import TorchDistBackend
 from onebit.config import CONFIG_KEYS, load_config, optimizer_kwargs
 
@@ -175,7 +175,8 @@ def test_yaml_without_pyyaml_raises_importerror_naming_the_package(tmp_path, mon
 
 
 def test_deepspeed_bert_pretraining_section_gives_its_keyword_arguments():
-    kwargs, others = optimizer_kwargs(BERT_PRETRAINING)
+    cls, kwargs, others = optimizer_kwargs(BERT_PRETRAINING)
+    assert cls is OnebitAdam
     assert kwargs == {"lr": 4e-4, "weight_decay": 0.01, "bias_correction": False, "freeze_step": 23000,
                       "cuda_aware": False, "comm_backend_name": "nccl"}
     assert others == ["fp16", "gradient_clipping", "prescale_gradients", "steps_per_print",
@@ -238,12 +239,48 @@ def test_from_config_does_not_mutate_the_config():
     assert config == before
 
 
-def test_every_plain_keyword_of_onebitadam_is_a_config_key():
-    signature = inspect.signature(OnebitAdam.__init__).parameters
-    plain = {n for n in signature if n not in ("self", "params", "backend", "group", "momentum_masks")}
-    assert set(CONFIG_KEYS) == plain
-    deepspeed = {"lr", "betas", "eps", "weight_decay", "freeze_step", "cuda_aware", "comm_backend_name", "bias_correction"}
-    assert deepspeed <= set(CONFIG_KEYS)
+@pytest.mark.parametrize("kind, cls", [("OneBitAdam", OnebitAdam), ("OneBitLamb", OnebitLamb)])
+def test_every_plain_keyword_of_the_optimizer_is_a_config_key(kind, cls):
+    signature = {**inspect.signature(cls.__init__).parameters, **inspect.signature(OnebitOptimizer.__init__).parameters}
+    plain = {n for n, p in signature.items() if p.kind != p.VAR_KEYWORD
+             and n not in ("self", "params", "defaults", "backend", "group", "momentum_masks")}
+    assert set(CONFIG_KEYS[kind]) == plain
+    deepspeed = {"lr", "betas", "eps", "weight_decay", "freeze_step", "cuda_aware", "comm_backend_name"}
+    deepspeed |= {"bias_correction"} if cls is OnebitAdam else {
+        "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold"}
+    assert deepspeed <= set(CONFIG_KEYS[kind])
+
+
+# DeepSpeed's 1-bit LAMB docs example (its tutorial's config), with the gloo backend of this machine.
+LAMB_DOCS = {"optimizer": {"type": "OneBitLamb", "params": {
+    "lr": 11e-3, "weight_decay": 0.01, "max_coeff": 0.3, "min_coeff": 0.01, "freeze_step": 1000,
+    "cuda_aware": False, "comm_backend_name": "local", "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5,
+    "factor_threshold": 0.1}}}
+
+
+@pytest.mark.parametrize("kind", ["OneBitLamb", "onebitlamb", "ONEBITLAMB", "OnebitLamb"])
+def test_onebitlamb_type_is_case_insensitive_and_builds_onebitlamb(kind):
+    config = copy.deepcopy(LAMB_DOCS)
+    config["optimizer"]["type"] = kind
+    opt = from_config(_params(), config)
+    assert type(opt) is OnebitLamb
+    assert opt.freeze_step == 1000 and opt.coeff_beta == 0.9 and opt.factor_threshold == 0.1
+    assert opt.param_groups[0]["max_coeff"] == 0.3 and opt.param_groups[0]["lr"] == 11e-3
+
+
+@pytest.mark.parametrize("key", ["bias_correction", "max_grad_norm", "eps_inside_sqrt", "amsgrad"])
+def test_keys_deepspeed_lamb_ignored_are_refused(key):
+    config = copy.deepcopy(LAMB_DOCS)
+    config["optimizer"]["params"][key] = False
+    with pytest.raises(ValueError, match=rf"optimizer.params.{key} is not supported by OneBitLamb .*remove '{key}'"):
+        from_config(_params(), config)
+
+
+def test_an_adam_only_key_is_unknown_to_lamb_and_the_message_lists_lamb_keys():
+    config = copy.deepcopy(LAMB_DOCS)
+    config["optimizer"]["params"]["freeze_stpe"] = 3
+    with pytest.raises(ValueError, match=r"unknown key 'freeze_stpe' in optimizer.params of OneBitLamb; .*'factor_max'"):
+        from_config(_params(), config)
 
 
 def test_momentum_masks_and_group_are_passed_through():
@@ -271,16 +308,20 @@ BAD_CONFIGS = [
     ({"train_batch_size": 8}, ValueError, r"no 'optimizer' section \(top-level keys: 'train_batch_size'\)"),
     ({"optimizer": ["OneBitAdam"]}, TypeError, r"config 'optimizer' must be a mapping"),
     ({"optimizer": {"params": {}}}, ValueError, r"the 'optimizer' section has no 'type'; set \"type\": \"OneBitAdam\""),
-    ({"optimizer": {"type": "Adam"}}, ValueError, r"unsupported optimizer type 'Adam'; onebit builds only 'OneBitAdam'"),
-    ({"optimizer": {"type": "OneBitLamb"}}, ValueError, r"unsupported optimizer type 'OneBitLamb'"),
+    ({"optimizer": {"type": "Adam"}}, ValueError,
+     r"unsupported optimizer type 'Adam'; onebit builds 'OneBitAdam' or 'OneBitLamb'"),
+    ({"optimizer": {"type": "ZeroOneAdam"}}, ValueError, r"unsupported optimizer type 'ZeroOneAdam'"),
     ({"optimizer": {"type": 1}}, TypeError, r"optimizer.type must be a string, got 1 of type int"),
     ({"optimizer": {"type": "OneBitAdam", "param": {}}}, ValueError, r"unknown keys \['param'\] in the 'optimizer' section"),
     ({"optimizer": {"type": "OneBitAdam", "params": [0.1]}}, TypeError, r"optimizer.params must be a mapping"),
     (_section(learning_rate=0.1), ValueError,
-     r"unknown key 'learning_rate' in optimizer.params; expected some of 'betas', 'bias_correction', .*'lr'"),
-    (_section(max_grad_norm=1.0), ValueError, r"optimizer.params.max_grad_norm is not supported .*remove 'max_grad_norm'"),
-    (_section(amsgrad=False), ValueError, r"optimizer.params.amsgrad is not supported \(AMSGrad is not implemented\)"),
-    (_section(eps_inside_sqrt=False), ValueError, r"optimizer.params.eps_inside_sqrt is not supported"),
+     r"unknown key 'learning_rate' in optimizer.params of OneBitAdam; expected some of 'betas', "
+     r"'bias_correction', .*'lr'"),
+    (_section(max_grad_norm=1.0), ValueError,
+     r"optimizer.params.max_grad_norm is not supported by OneBitAdam .*remove 'max_grad_norm'"),
+    (_section(amsgrad=False), ValueError,
+     r"optimizer.params.amsgrad is not supported by OneBitAdam \(AMSGrad is not implemented\)"),
+    (_section(eps_inside_sqrt=False), ValueError, r"optimizer.params.eps_inside_sqrt is not supported by OneBitAdam"),
     (_section(lr="0.001"), TypeError,
      r"optimizer.params.lr must be a number, got '0.001' of type str; write the number without quotes"),
     (_section(lr=None), TypeError, r"optimizer.params.lr must be a number, got None"),

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import onebit.kernels as kernels
+import onebit.kernels.registry as registry
 from onebit import OnebitAdam
 from onebit.kernels import REFERENCE, KernelSet, reference
-from onebit.optimizer import ERROR_RATIO_TO_WARN, HEALTH_CHECK_INTERVAL, SKIPS_TO_WARN
+from onebit.health import ERROR_RATIO_TO_WARN, HEALTH_CHECK_INTERVAL, SKIPS_TO_WARN
 
 
 def _opt(**kwargs):
@@ -96,8 +97,8 @@ def lossy_kernels():
     kernels.register("test-lossy", lambda: KernelSet("test-lossy", REFERENCE.worker_compress_,
                                                      REFERENCE.server_compress_, decode))
     yield "test-lossy"
-    kernels._LOADERS.pop("test-lossy", None)
-    kernels._LOADED.pop("test-lossy", None)
+    registry._LOADERS.pop("test-lossy", None)
+    registry._LOADED.pop("test-lossy", None)
 
 
 def _mixed_run(kernel_name, divergence, steps):

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import onebit.kernels as kernels
+import onebit.kernels.registry as registry
 from onebit.kernels import REFERENCE, KernelSet, get_kernels, reference
 from onebit.kernels import cpu as cpu_kernels
 from onebit.kernels import cuda as cuda_kernels
@@ -654,8 +655,8 @@ def test_blocked_scale_agrees_with_torch_sum_on_random_inputs():
 @pytest.fixture
 def fresh_registry(monkeypatch):
     """Isolate the dispatch caches so that a test can register failing implementations."""
-    monkeypatch.setattr(kernels, "_LOADERS", dict(kernels._LOADERS))
-    monkeypatch.setattr(kernels, "_NATIVE_FOR_DEVICE", dict(kernels._NATIVE_FOR_DEVICE))
+    monkeypatch.setattr(registry, "_LOADERS", dict(registry._LOADERS))
+    monkeypatch.setattr(registry, "_NATIVE_FOR_DEVICE", dict(registry._NATIVE_FOR_DEVICE))
     monkeypatch.setattr(kernels, "_LOADED", {})
     monkeypatch.setattr(kernels, "_FAILED", {})
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
@@ -663,8 +664,8 @@ def fresh_registry(monkeypatch):
 
 def test_native_implementations_are_registered():
     assert {"reference", "cpu", "cuda"} <= set(kernels.available_implementations())
-    assert kernels._NATIVE_FOR_DEVICE["cpu"] == "cpu"
-    assert kernels._NATIVE_FOR_DEVICE["cuda"] == "cuda"
+    assert registry._NATIVE_FOR_DEVICE["cpu"] == "cpu"
+    assert registry._NATIVE_FOR_DEVICE["cuda"] == "cuda"
 
 
 def test_auto_falls_back_to_reference_with_one_log_line(fresh_registry, caplog):

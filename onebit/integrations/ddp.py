@@ -1,11 +1,14 @@
-"""A DDP communication hook that averages gradients in warmup and sends nothing after.
+"""A DDP communication hook that averages gradients on the steps whose plan asks for it and
+sends nothing on the others.
 
-With ``DistributedDataParallel``, gradients are averaged during backward, overlapped with it. In
-the warmup phase that is exactly what OnebitAdam needs; in the compression phase the gradients
-must stay local (the optimizer compresses the momentum instead), so the hook returns each bucket
-untouched (and :func:`attach_ddp` turns DDP's gradient synchronization off in that phase, so the
-hook is not even called). The hook reads ``optimizer.phase``, the phase of the next ``step()``; it
-changes nothing on the model or the optimizer except what :func:`attach_ddp` documents.
+With ``DistributedDataParallel``, gradients are averaged during backward, overlapped with it. On a
+step whose plan averages gradients in full precision (1-bit Adam's and 1-bit LAMB's warmup) that is
+exactly what the optimizer needs; on the others the gradients must stay local (the optimizer
+compresses the momentum instead), so the hook returns each bucket untouched (and
+:func:`attach_ddp` turns DDP's gradient synchronization off for those steps, so the hook is not
+even called). The hook reads ``optimizer.next_plan``, the plan of the next ``step()``; it changes
+nothing on the model or the optimizer except what :func:`attach_ddp` documents. It works for every
+onebit optimizer.
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at run time.
@@ -14,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..engine import OnebitOptimizer
 
 __all__ = ["attach_ddp", "onebit_ddp_hook"]
 
@@ -26,9 +31,10 @@ class _HookState:
 
 
 def onebit_ddp_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Warmup: mean over ranks (like DDP's default hook). Compression: no communication."""
+    """Steps that average gradients: mean over ranks (like DDP's default hook). Others: no
+    communication."""
     buffer = bucket.buffer()
-    if state.optimizer.phase == "warmup":
+    if state.optimizer.next_plan.average_gradients:
         buffer.div_(state.world_size)
         work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
@@ -39,13 +45,14 @@ def onebit_ddp_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures
 
 def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any) -> None:
     """Register :func:`onebit_ddp_hook` on ``ddp_model`` and tell ``optimizer`` that gradients
-    arrive already averaged in warmup (``optimizer.set_warmup_gradients_averaged(True)``), so
-    nothing is reduced twice. Call it once, before the first backward.
+    arrive already averaged on the steps whose plan averages them
+    (``optimizer.set_gradients_averaged(True)``), so nothing is reduced twice. Call it once,
+    before the first backward.
 
-    In the compression phase DDP would still copy every gradient into its buckets and back for a
-    hook that sends nothing; so after each ``step()`` (and ``load_state_dict``) this sets
+    On the other steps DDP would still copy every gradient into its buckets and back for a hook
+    that sends nothing; so after each ``step()`` (and ``load_state_dict``) this sets
     ``ddp_model.require_backward_grad_sync`` (the flag ``ddp_model.no_sync()`` sets) to whether the
-    next step is a warmup step: DDP skips its gradient buckets in compression, as under
+    next step averages gradients: DDP skips its gradient buckets otherwise, as under
     ``no_sync()``. A ``no_sync()`` block of your own (gradient accumulation) still works: it
     restores the flag when it exits.
 
@@ -54,8 +61,8 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"attach_ddp needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    if not hasattr(optimizer, "set_warmup_gradients_averaged") or not hasattr(optimizer, "phase"):
-        raise TypeError(f"attach_ddp needs a onebit.OnebitAdam optimizer, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, OnebitOptimizer):
+        raise TypeError(f"attach_ddp needs a onebit optimizer (OnebitAdam, OnebitLamb), got {type(optimizer).__name__}")
     group = getattr(ddp_model, "process_group", None)
     state = _HookState(optimizer, group)
     if state.world_size != optimizer.backend.world_size:
@@ -64,11 +71,11 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
             f"{optimizer.backend.world_size}; give both the same data-parallel group"
         )
     ddp_model.register_comm_hook(state, onebit_ddp_hook)
-    optimizer.set_warmup_gradients_averaged(True)
+    optimizer.set_gradients_averaged(True)
 
-    def sync_in_warmup_only(*_: Any) -> None:
-        ddp_model.require_backward_grad_sync = optimizer.phase == "warmup"
+    def sync_when_planned(*_: Any) -> None:
+        ddp_model.require_backward_grad_sync = optimizer.next_plan.average_gradients
 
-    sync_in_warmup_only()
-    optimizer.register_step_post_hook(sync_in_warmup_only)
-    optimizer.register_load_state_dict_post_hook(sync_in_warmup_only)
+    sync_when_planned()
+    optimizer.register_step_post_hook(sync_when_planned)
+    optimizer.register_load_state_dict_post_hook(sync_when_planned)

@@ -13,15 +13,16 @@ from typing import Any
 
 import torch
 
+from ..engine import OnebitOptimizer
 from .ddp import attach_ddp
 
 __all__ = ["attach_trainer"]
 
 
 def _onebit_optimizer(optimizer: Any) -> Any:
-    # accelerate wraps the optimizer (AcceleratedOptimizer.optimizer); unwrap to OnebitAdam.
+    # accelerate wraps the optimizer (AcceleratedOptimizer.optimizer); unwrap to the onebit one.
     seen = 0
-    while optimizer is not None and not hasattr(optimizer, "set_warmup_gradients_averaged") and seen < 4:
+    while optimizer is not None and not isinstance(optimizer, OnebitOptimizer) and seen < 4:
         optimizer = getattr(optimizer, "optimizer", None)
         seen += 1
     return optimizer
@@ -29,8 +30,9 @@ def _onebit_optimizer(optimizer: Any) -> Any:
 
 def attach_trainer(trainer: Any) -> None:
     """Make ``trainer`` (a ``transformers.Trainer`` built with
-    ``optimizers=(OnebitAdam(...), scheduler)``) use the onebit DDP hook when it trains on
-    several ranks, so that gradients are averaged once in warmup and not at all afterwards."""
+    ``optimizers=(OnebitAdam(...), scheduler)``, or any onebit optimizer) use the onebit DDP hook
+    when it trains on several ranks, so that gradients are averaged once in warmup and not at all
+    afterwards."""
     try:
         from transformers import TrainerCallback
     except ImportError as exc:
@@ -39,7 +41,7 @@ def attach_trainer(trainer: Any) -> None:
         raise TypeError(f"attach_trainer needs a transformers.Trainer, got {type(trainer).__name__}")
     if _onebit_optimizer(trainer.optimizer) is None:
         raise ValueError(
-            "the Trainer has no OnebitAdam: build it with optimizers=(OnebitAdam(model.parameters(), ...), scheduler)"
+            "the Trainer has no onebit optimizer: build it with optimizers=(OnebitAdam(model.parameters(), ...), scheduler)"
         )
 
     class OnebitDDPCallback(TrainerCallback):

@@ -10,99 +10,10 @@ Selection: the ``kernels`` argument of :class:`onebit.OnebitAdam`, else the envi
 
 from __future__ import annotations
 
-import logging
-import os
-from dataclasses import dataclass
-from typing import Callable
-
-import torch
-
 from . import reference
+from .registry import ENV_VAR, REFERENCE, KernelSet, available_implementations, get_kernels, register
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["KernelSet", "get_kernels", "available_implementations", "ENV_VAR"]
-
-ENV_VAR = "ONEBIT_KERNELS"
-
-
-@dataclass(frozen=True)
-class KernelSet:
-    """One implementation of the codec's three operations."""
-
-    name: str
-    worker_compress_: Callable[..., torch.Tensor]
-    server_compress_: Callable[..., torch.Tensor]
-    decode_: Callable[..., torch.Tensor]
-
-
-REFERENCE = KernelSet(
-    name="reference",
-    worker_compress_=reference.worker_compress_,
-    server_compress_=reference.server_compress_,
-    decode_=reference.decode_,
-)
-
-# name -> loader returning a KernelSet or raising ImportError/RuntimeError with the cause.
-_LOADERS: dict[str, Callable[[], KernelSet]] = {"reference": lambda: REFERENCE}
-# device type -> native implementation tried first by "auto".
-_NATIVE_FOR_DEVICE: dict[str, str] = {}
-_LOADED: dict[str, KernelSet] = {}
-_FAILED: dict[str, BaseException] = {}
-
-
-def register(name: str, loader: Callable[[], KernelSet], *, native_for: str | None = None) -> None:
-    """Register an implementation (used by the native kernel modules)."""
-    _LOADERS[name] = loader
-    if native_for is not None:
-        _NATIVE_FOR_DEVICE[native_for] = name
-
-
-def available_implementations() -> list[str]:
-    return sorted(_LOADERS)
-
-
-def _load(name: str) -> KernelSet:
-    if name in _LOADED:
-        return _LOADED[name]
-    if name in _FAILED:
-        raise _FAILED[name]
-    try:
-        kernel_set = _LOADERS[name]()
-    except (ImportError, RuntimeError, OSError) as exc:
-        _FAILED[name] = exc
-        raise
-    _LOADED[name] = kernel_set
-    return kernel_set
-
-
-def get_kernels(device: torch.device | str, implementation: str | None = None) -> KernelSet:
-    """Return the kernel set for ``device``.
-
-    ``implementation`` is ``"auto"`` (the native kernels of the device when they load, else the
-    reference, with one log line), or the name of one implementation, which must load.
-    """
-    device = torch.device(device)
-    name = implementation if implementation is not None else os.environ.get(ENV_VAR, "auto")
-    if name != "auto" and name not in _LOADERS:
-        valid = ", ".join(repr(n) for n in ["auto", *available_implementations()])
-        raise ValueError(f"unknown kernel implementation {name!r}; expected one of {valid}")
-    if name != "auto":
-        return _load(name)
-    native = _NATIVE_FOR_DEVICE.get(device.type)
-    if native is None:
-        return REFERENCE
-    try:
-        return _load(native)
-    except (ImportError, RuntimeError, OSError) as exc:
-        if native not in _LOADED and not getattr(exc, "_onebit_logged", False):
-            logger.info("onebit: %s kernels unavailable (%s); using the reference kernels", native, exc)
-            try:
-                exc._onebit_logged = True  # type: ignore[attr-defined]
-            except AttributeError:
-                pass
-        return REFERENCE
-
+__all__ = ["KernelSet", "REFERENCE", "get_kernels", "available_implementations", "register", "reference", "ENV_VAR"]
 
 # Native implementations register themselves; importing them compiles nothing (that happens on the
 # first get_kernels that wants them) and never imports optional packages such as CuPy.

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from . import KernelSet, register
+from .registry import KernelSet, register
 from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, claimed_segments, flat_float
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import KernelSet, register
+from .registry import KernelSet, register
 from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, claimed_segments, flat_float
 from .blocked import BLOCK, LANES
 

@@ -1,0 +1,105 @@
+"""OnebitAdam: Adam with a full-precision warmup, then a frozen variance and 1-bit momentum averaging."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from . import functional as F
+from .buckets import Bucket
+from .frozen import FrozenVarianceOptimizer
+from .validation import check_flag
+
+__all__ = ["OnebitAdam"]
+
+
+class OnebitAdam(FrozenVarianceOptimizer):
+    r"""1-bit Adam (Tang et al., 2021, arXiv 2102.02888) as a plain ``torch.optim.Optimizer``.
+
+    For the first ``freeze_step`` steps (**warmup**) every step all-reduces the gradients in full
+    precision and runs Adam. After that (**compression**) the variance ``exp_avg_sq`` is frozen;
+    each rank updates its momentum with its local gradient, and the momenta are averaged with an
+    error-compensated 1-bit all-reduce (about 32x fewer bytes than float32). Gradients are *not*
+    all-reduced in the compression phase: do not also average them (e.g. with DDP) then.
+
+    Default numerics are DeepSpeed's ``OnebitAdam``: no bias correction, ``eps`` outside the
+    square root, decoupled weight decay: ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``.
+
+    Args:
+        params: parameters or param groups. A group may set its own ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``bias_correction``, and ``compress=False`` to keep its momentum
+            out of compression (full-precision gradient all-reduce and plain Adam in both phases).
+        lr, betas, eps, weight_decay: as in Adam (``weight_decay`` is decoupled).
+        freeze_step: number of warmup steps (>= 1). The paper uses 15-25% of training.
+        bias_correction: divide the moments by ``1 - beta**t`` (with ``t = freeze_step`` for the
+            frozen variance). Off by default, as in DeepSpeed.
+        **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
+            scale blocks, non-finite gradients, divergence, kernels): see
+            :class:`onebit.engine.OnebitOptimizer`.
+    """
+
+    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        bias_correction: bool = False,
+        **options: Any,
+    ) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+                        weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults, freeze_step, **options)
+
+    @classmethod
+    def _check_group(cls, group: Mapping[str, Any]) -> None:
+        super()._check_group(group)
+        check_flag("bias_correction", group["bias_correction"])
+
+    def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """Adam on the bucket's averaged gradient: warmup, and ``compress=False`` groups."""
+        beta1, beta2 = group["betas"]
+        m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]  # the padding stays 0: its gradient is 0
+        F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
+        if bucket.mask is not None:
+            m.mul_(bucket.mask)
+        bc1, bc2 = F.bias_corrections(t, t, beta1, beta2, group["bias_correction"])
+        updates = bucket.view(F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2))
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        if bucket.same_dtype:
+            if weight_decay != 0:
+                torch._foreach_add_(updates, bucket.params, alpha=weight_decay)
+            torch._foreach_add_(bucket.params, updates, alpha=-lr)
+            return
+        for u, p in zip(updates, bucket.params):
+            if weight_decay != 0:
+                u.add_(p, alpha=weight_decay)
+            p.add_(u.to(p.dtype), alpha=-lr)
+
+    def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """After the 1-bit average of the momentum, the update with the frozen variance,
+        ``p <- p * (1 - lr * wd) - lr * (m / bc1) / denominator`` (one fused pass)."""
+        beta1, beta2 = group["betas"]
+        bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
+        denominators = self._frozen_denominator(bucket, group["eps"], bc2)
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        momenta = bucket.views["exp_avg"]
+        if bucket.same_dtype:
+            if weight_decay != 0:
+                torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
+            torch._foreach_addcdiv_(bucket.params, momenta, denominators, value=-lr / bc1)
+            return
+        for p, mom, d in zip(bucket.params, momenta, denominators):
+            u = torch.div(mom, d)
+            if bc1 != 1.0:
+                u.div_(bc1)
+            if weight_decay != 0:
+                u.add_(p, alpha=weight_decay)
+            p.add_(u.to(p.dtype), alpha=-lr)

@@ -1,0 +1,299 @@
+"""Buckets: the flat buffers an optimizer's state lives in, and the momentum masks over them.
+
+A bucket is a run of parameters of one param group on one device. Its per-element state (one flat
+buffer per name, e.g. ``exp_avg``) is laid out for the compressed all-reduce when the group is
+compressed (:class:`onebit.compression.SegmentLayout`: each tensor padded on its own, so that every
+tensor gets its own scales), else end to end. ``slices`` say where each tensor lies; the padding
+between them (``real()`` is False there) holds zeros and never reaches a parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .collectives import CompressionState
+from .compression import SegmentLayout
+from .kernels.reference import pack_signs
+
+__all__ = ["Bucket", "split_into_buckets", "set_masks", "check_grads", "grads_of", "all_finite", "build_keep_mask",
+           "layout_digest", "check_layout"]
+
+# Up to this many gradient tensors the finiteness check sums each (the fastest pass over a large
+# tensor); above it, one foreach norm call avoids a Python call per tensor.
+_FEW_TENSORS = 64
+# Zeroing k scattered coordinates (index_fill_: 6.5 ns each) costs about what the decode's extra
+# read of a packed mask over 1000 k coordinates does (0.14 ms per 25M; one CPU core): a bucket
+# whose keep mask has more zeros than 1/RATIO of its length hands the mask to the decode.
+_DENSE_MASK_RATIO = 1024
+
+
+class Bucket:
+    """Flat, padded buffers for a run of parameters of one group on one device.
+
+    ``buffers[name]``: one float32 buffer per per-element state name, zeros at first, and
+    ``views[name]``: its per-parameter views (made once: a view costs ~8 us, per tensor per step).
+    ``scalars[name]``: one float64 value per parameter (a tensor of ``len(params)``).
+    """
+
+    def __init__(self, group_index: int, params: list[torch.Tensor], world_size: int, compress: bool,
+                 scale_block_size: int | None, buffers: Sequence[str], scalars: Mapping[str, float]) -> None:
+        self.group_index = group_index
+        self.params = params
+        self.device = params[0].device
+        numels = [p.numel() for p in params]
+        self.numel = sum(numels)
+        if compress:
+            self.layout: SegmentLayout | None = SegmentLayout.build(numels, world_size, scale_block_size)
+            self.slices = self.layout.slices()
+            self.padded = self.layout.padded
+        else:
+            self.layout = None
+            starts = [0, *itertools.accumulate(numels)]
+            self.slices = [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]
+            self.padded = self.numel
+        kwargs = {"dtype": torch.float32, "device": self.device}
+        self.buffers = {name: torch.zeros(self.padded, **kwargs) for name in buffers}
+        self.views = {name: self.view(buffer) for name, buffer in self.buffers.items()}
+        self.scalars = {name: torch.full((len(params),), value, dtype=torch.float64, device=self.device)
+                        for name, value in scalars.items()}
+        # Flat scratch buffers (e.g. the gathered, all-reduced gradient and the update direction),
+        # allocated on first use; see scratch().
+        self._scratch: dict[str, torch.Tensor] = {}
+        self.mask: torch.Tensor | None = None  # the user's momentum mask (1 keep, 0 zero), padded layout
+        # Where the compressed buffer is kept 0 (the user's mask, the algorithm's dead coordinates,
+        # the padding), or None: the indices when they are few (applying them costs what they
+        # hold), else packed bits over the padded buffer (set = keep) that the decode applies in
+        # its own pass. Derived when compression starts or state is loaded (the engine's
+        # ``_build_keep_masks``).
+        self.frozen_zeros: torch.Tensor | None = None
+        self.frozen_keep: torch.Tensor | None = None
+        self.frozen_mask_ready = False
+        # The denominator of a frozen variance, for the key it was computed with, and its views
+        # (see onebit.frozen); None until first needed and after a load.
+        self.denominator: torch.Tensor | None = None
+        self.denominator_key: Any = None
+        self.denominators: list[torch.Tensor] = []
+        self.compressed: torch.Tensor | None = None  # the buffer of the last compressed step
+        self.same_dtype = all(p.dtype == torch.float32 for p in params)
+        self.compression = (CompressionState(self.padded, world_size, self.device, self.layout.edges)
+                            if compress else None)
+
+    def view(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat buffer in this bucket's layout."""
+        return [flat[s].view(p.shape) for s, p in zip(self.slices, self.params)]
+
+    def real(self) -> torch.Tensor:
+        """A bool tensor over the padded buffer: True where a parameter element lies."""
+        real = torch.zeros(self.padded, dtype=torch.bool, device=self.device)
+        for s in self.slices:
+            real[s] = True
+        return real
+
+    def scratch(self, name: str, length: int | None = None) -> torch.Tensor:
+        """The flat float32 buffer ``name`` (``padded`` elements, or ``length``), zeros when first
+        allocated; the padding of a padded one is never written by the engine."""
+        buffer = self._scratch.get(name)
+        if buffer is None:
+            size = self.padded if length is None else length
+            buffer = self._scratch[name] = torch.zeros(size, dtype=torch.float32, device=self.device)
+        return buffer
+
+    def dense_grads(self) -> list[torch.Tensor] | None:
+        """Views of the ``'wire'`` buffer, one per parameter: the gradients end to end, which a
+        full-precision all-reduce sends instead of the padded layout; None when nothing is padded."""
+        if self.padded == self.numel:
+            return None
+        return list(self.scratch("wire", self.numel).split([p.numel() for p in self.params]))
+
+    def averaged_grad(self) -> torch.Tensor:
+        """The (averaged) gradient in the padded layout (``'grad'``), spread from ``'wire'`` when the
+        gradients travelled end to end."""
+        grad = self.scratch("grad")
+        dense = self.dense_grads()
+        if dense is not None:
+            torch._foreach_copy_([grad[s] for s in self.slices], dense)
+        return grad
+
+    def release_scratch(self) -> None:
+        self._scratch.clear()
+
+
+def split_into_buckets(params: list[torch.Tensor], bucket_size: int) -> list[list[torch.Tensor]]:
+    """The trainable ``params`` by device, in runs of at most ``bucket_size`` elements (a larger
+    tensor is a run of its own)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in params:
+        if p.requires_grad:
+            by_device.setdefault(p.device, []).append(p)
+    runs = []
+    for tensors in by_device.values():
+        run: list[torch.Tensor] = []
+        size = 0
+        for p in tensors:
+            if run and size + p.numel() > bucket_size:
+                runs.append(run)
+                run, size = [], 0
+            run.append(p)
+            size += p.numel()
+        if run:
+            runs.append(run)
+    return runs
+
+
+def set_masks(buckets: list[Bucket], masks: Mapping[torch.Tensor, torch.Tensor], momentum: str) -> None:
+    """Validate ``{param: mask}`` and write each mask into its bucket's padded ``mask``; zero the
+    ``momentum`` buffer where it is 0. Nothing changes unless every mask is valid."""
+    if not isinstance(masks, Mapping):
+        raise TypeError(f"momentum_masks must be a mapping {{param: mask}}, got {type(masks).__name__}")
+    located = {}
+    for bucket in buckets:
+        for i, p in enumerate(bucket.params):
+            located[id(p)] = (bucket, i)
+    checked = []
+    for param, mask in masks.items():
+        if id(param) not in located:
+            raise ValueError(
+                f"momentum_masks has a key of shape {tuple(param.shape)} that is not a trainable "
+                "parameter of this optimizer; key the mapping by the parameter tensor itself"
+            )
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"momentum mask must be a tensor, got {type(mask).__name__}")
+        if mask.shape != param.shape:
+            raise ValueError(
+                f"momentum mask of shape {tuple(mask.shape)} does not match its parameter of shape "
+                f"{tuple(param.shape)}; give a mask of the parameter's shape"
+            )
+        if mask.device != param.device:
+            raise ValueError(
+                f"momentum mask is on {mask.device} but its parameter is on {param.device}; "
+                f"move the mask with mask.to({str(param.device)!r})"
+            )
+        if mask.dtype != torch.bool:
+            if not mask.is_floating_point() and mask.dtype not in (torch.uint8, torch.int8, torch.int32, torch.int64):
+                raise TypeError(f"momentum mask must be bool or 0/1 numbers, got dtype {mask.dtype}")
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("momentum mask must contain only 0 and 1 (or be a bool tensor)")
+        checked.append((located[id(param)], mask))
+    for (bucket, i), mask in checked:
+        if bucket.mask is None:
+            bucket.mask = torch.ones(bucket.padded, dtype=torch.float32, device=bucket.device)
+        bucket.mask[bucket.slices[i]].copy_(mask.reshape(-1).to(torch.float32))
+        bucket.buffers[momentum].mul_(bucket.mask)
+
+
+def _gather_grads(bucket: Bucket, inv_scale: torch.Tensor | None, dense: bool) -> list[torch.Tensor]:
+    """Copy the gradients (None: zeros) into one of the bucket's flat buffers and return the
+    per-parameter views of it: end to end (``dense``, see :meth:`Bucket.dense_grads`) or in the
+    bucket's padded layout (``'grad'``)."""
+    views = bucket.dense_grads() if dense else None
+    if views is None:
+        views = [bucket.scratch("grad")[s] for s in bucket.slices]
+    for view, p in zip(views, bucket.params):
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad.reshape(-1))
+    if inv_scale is not None:
+        torch._foreach_mul_(views, inv_scale.to(bucket.device))
+    return [view.view(p.shape) for view, p in zip(views, bucket.params)]
+
+
+def grads_of(bucket: Bucket, full_precision: bool, inv_scale: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The gradients a step reads, one per parameter (None: no gradient, i.e. zero).
+
+    Read straight from the parameters' ``.grad`` tensors when they are float32, need no unscaling
+    and are not all-reduced: nothing else reads a flat copy then. Else gathered into a flat
+    buffer, returned as views of it: for a full-precision all-reduce (``full_precision``), the
+    gradients end to end, so that exactly their bytes travel (:meth:`Bucket.averaged_grad` spreads
+    them into the padded layout); else (GradScaler, other dtypes) the padded layout."""
+    if not full_precision and inv_scale is None and all(
+            p.grad is None or p.grad.dtype == torch.float32 for p in bucket.params):
+        return [p.grad for p in bucket.params]
+    return _gather_grads(bucket, inv_scale, dense=full_precision)
+
+
+def all_finite(grads: list[list[torch.Tensor | None]]) -> bool:
+    """Whether every gradient is finite: one read-only pass. A tensor's sum (few tensors) or L2
+    norm (many: one foreach call instead of a call per tensor) is NaN or inf when an element is;
+    when it overflowed from finite values only, the exact element-wise check decides."""
+    present = [g for bucket_grads in grads for g in bucket_grads if g is not None]
+    if not present:
+        return True
+    if len(present) <= _FEW_TENSORS:
+        totals = torch.stack([g.sum() for g in present])
+    else:
+        totals = torch.stack(torch._foreach_norm(present, 2))
+    finite = torch.isfinite(totals)
+    if bool(finite.all()):
+        return True
+    return all(bool(torch.isfinite(g).all()) for g, ok in zip(present, finite.tolist()) if not ok)
+
+
+def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> int:
+    """At the first compressed step (or the first after a load): the coordinates whose compressed
+    value is kept 0 from then on: the user's mask, ``dead`` (bool over the padded buffer, the
+    algorithm's) and the padding. Releases the full-precision scratch buffers. Returns the
+    number of dead parameter coordinates."""
+    keep = bucket.real()
+    dead_count = 0
+    if dead is not None:
+        keep &= ~dead
+        dead_count = bucket.numel - int(keep.sum())
+    if bucket.mask is not None:
+        keep &= bucket.mask != 0
+    zeros = bucket.padded - int(keep.sum())  # the padding included: it is zeroed too
+    bucket.frozen_zeros = bucket.frozen_keep = None
+    if zeros * _DENSE_MASK_RATIO > bucket.padded:
+        signs = torch.full((bucket.padded,), -1.0, device=bucket.device)
+        signs.masked_fill_(keep, 1.0)
+        bucket.frozen_keep = pack_signs(signs)
+    elif zeros:
+        bucket.frozen_zeros = torch.nonzero(~keep).flatten()
+    bucket.frozen_mask_ready = True
+    bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
+    return dead_count
+
+
+def check_grads(buckets: list[Bucket], owner: str) -> None:
+    """Every present gradient is dense, of its parameter's shape, on its device."""
+    for bucket in buckets:
+        for p in bucket.params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise ValueError(f"{owner} does not support sparse gradients; use dense embeddings (sparse=False)")
+            if g.shape != p.shape:
+                raise ValueError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
+            if g.device != p.device:
+                raise ValueError(f"gradient on {g.device} for a parameter on {p.device}; keep them on one device")
+
+
+def layout_digest(buckets: list[Bucket]) -> str:
+    """16 hex digits that differ when the layout (groups, shapes, dtypes, buckets, segments) does."""
+    description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
+                         None if b.layout is None else b.layout.edges,
+                         [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in buckets])
+    return hashlib.sha256(description.encode()).hexdigest()[:16]
+
+
+def check_layout(buckets: list[Bucket], backend: Any) -> None:
+    """One all-gather of the layout digest, so that ranks holding different models fail with the
+    same clear error instead of deadlocking or mixing buffers."""
+    if not buckets:
+        return
+    mine = torch.tensor(list(bytes.fromhex(layout_digest(buckets))), dtype=torch.uint8, device=buckets[0].device)
+    everyone = torch.empty(backend.world_size, 8, dtype=torch.uint8, device=mine.device)
+    backend.all_gather(everyone, mine)
+    differ = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+    if differ:
+        raise ValueError(
+            f"the parameter layout differs between ranks: ranks {differ} do not match rank 0 (their "
+            "parameter shapes, dtypes, param groups or bucket_size differ); every rank must build the "
+            "same model and the same param groups in the same order"
+        )

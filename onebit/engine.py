@@ -1,0 +1,431 @@
+"""The engine every onebit optimizer shares.
+
+:class:`OnebitOptimizer` owns everything that is not an update rule: parameters in buckets (each
+tensor its own segment of the compressed layout), momentum masks, the transport, the agreement of
+every rank on non-finite gradients, the layout check, the pipelined compressed all-reduce,
+statistics, divergence warnings and the ``state_dict`` contract. An algorithm is a subclass that
+names its state, plans each step from the step number and updates (``OnebitAdam``, ``OnebitLamb``),
+over pure functions of the maths in :mod:`onebit.functional`.
+
+What a step communicates is its :class:`StepPlan`, derived from the step number alone (so the same
+on every rank and after any resume): integrations ask ``optimizer.next_plan`` whether the next
+step averages gradients in full precision; ``comm_stats()`` counts steps and bytes per plan name.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .backends import CommBackend, resolve_backend
+from .buckets import (Bucket, all_finite, build_keep_mask, check_grads, check_layout, grads_of, layout_digest,
+                      set_masks, split_into_buckets)
+from .collectives import finish_, start_server_, start_worker_
+from .health import HEALTH_CHECK_INTERVAL, Health
+from .kernels import KernelSet, get_kernels
+from .state import StateDictContract
+from .stats import InstrumentedBackend, StepTimers, timed_kernels
+from .validation import check_common_group, check_engine_options, check_flag, check_params
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OnebitOptimizer", "StepPlan", "DEFAULT_BUCKET_SIZE"]
+
+DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step communicates. ``name`` is the kind of step (``comm_stats()`` counts by it);
+    ``average_gradients``: the gradients are averaged over ranks in full precision before the
+    update (DDP may do it, see :func:`onebit.integrations.attach_ddp`); ``compress``: a buffer
+    of each compressed bucket goes through the 1-bit compressed all-reduce. Neither: a local step."""
+
+    name: str
+    average_gradients: bool = False
+    compress: bool = False
+
+
+class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
+    """Base class of the onebit optimizers; not used on its own.
+
+    Keyword-only options of every onebit optimizer:
+
+    Args:
+        comm_backend_name: ``'gloo'``, ``'nccl'``, ``'hccl'`` (the initialized torch.distributed
+            process group), ``'mpi'`` (mpi4py), ``'local'`` (one process), or ``None`` to use
+            the default process group when there is one.
+        backend: a :class:`onebit.backends.CommBackend` object instead of a name.
+        cuda_aware: with ``'mpi'``: hand device buffers straight to a CUDA-aware MPI.
+        group: the process group (torch.distributed) or communicator (mpi4py) of the data-parallel
+            ranks; default the whole job.
+        momentum_masks: ``{param: mask}``; where ``mask`` is 0 the momentum is kept exactly 0
+            (e.g. position-embedding rows beyond the sequence length in use). Same shape and
+            device as the parameter; bool or 0/1 floats. Not saved in checkpoints.
+        bucket_size: number of elements per compression bucket; each bucket costs 2 collective
+            calls per compressed step and 1 per full-precision step, however many tensors it
+            holds. Inside a bucket every tensor has its own scales (as if compressed alone, as
+            DeepSpeed did), so the bucket size changes the number of collectives, not the numerics.
+        scale_block_size: ``None`` (default): one scale per tensor (per rank and chunk). An int
+            ``k``: one scale per block of ``k`` elements of each tensor (rounded up to a multiple
+            of ``8 * world_size``), for finer quantization at ``4 / k`` more bytes per element on
+            the wire.
+        nonfinite_grads: ``'skip'`` (default): when any rank's gradients contain NaN or inf (or
+            ``torch.amp.GradScaler`` found an overflow), every rank skips the step, leaving
+            parameters, state, compression errors and the step count untouched; ``'raise'``:
+            every rank raises ``FloatingPointError``. A NaN never enters error feedback. With
+            GradScaler, ``scaler.step(optimizer)`` hands the scale to this optimizer, which
+            unscales and lets every rank agree on skipping.
+        divergence: ``'warn'`` (default) logs a warning on rank 0, once per episode, when
+            ``onebit.health.SKIPS_TO_WARN`` steps in a row were skipped for non-finite gradients,
+            or when the worker compression error has grown above ``ERROR_RATIO_TO_WARN`` times
+            the norm of what it compresses (checked every ``HEALTH_CHECK_INTERVAL`` compressed
+            steps); ``'raise'``: every rank raises ``FloatingPointError`` instead.
+        kernels: codec implementation (``'auto'``, ``'reference'``, or a native one); default
+            from the ``ONEBIT_KERNELS`` environment variable, else ``'auto'``.
+    """
+
+    # What a subclass declares: per-element state buffers (param-shaped in the state dict), the
+    # ones that must not be negative, per-parameter scalars with their initial values, the
+    # buffer the momentum masks apply to, the group hyperparameters saved in checkpoints, and
+    # the names of its plans (in comm_stats order).
+    _BUFFERS: ClassVar[tuple[str, ...]] = ()
+    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ()
+    _SCALARS: ClassVar[dict[str, float]] = {}
+    _MASKED: ClassVar[str] = "exp_avg"
+    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
+    PLAN_NAMES: ClassVar[tuple[str, ...]] = ()
+
+    # torch.amp.GradScaler: set ``grad_scale``/``found_inf`` on the optimizer and always call step().
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        comm_backend_name: str | None = None,
+        backend: CommBackend | None = None,
+        cuda_aware: bool = False,
+        group: Any = None,
+        momentum_masks: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        kernels: str | None = None,
+        nonfinite_grads: str = "skip",
+        scale_block_size: int | None = None,
+        divergence: str = "warn",
+    ) -> None:
+        check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
+        defaults = {**defaults, "compress": True}
+        self._check_group(defaults)
+        self.bucket_size = bucket_size
+        self.scale_block_size = scale_block_size
+        self._kernel_choice = kernels
+        self._buckets: list[Bucket] = []
+        self._step = 0
+        self._health = Health(nonfinite_grads, divergence)
+        self._layout_checked = False
+        self._gradients_averaged = False
+        self._compressed_steps = 0  # counts the health checks' interval
+        self._timed = StepTimers()
+        self._backend: InstrumentedBackend | None = None
+        super().__init__(params, defaults)
+        # Everything above validates without side effects; only now is a backend touched.
+        self._backend = InstrumentedBackend(
+            resolve_backend(comm_backend_name, backend, cuda_aware=cuda_aware, group=group), self.PLAN_NAMES)
+        self._kernels: dict[torch.device, KernelSet] = {}
+        for index in range(len(self.param_groups)):
+            self._build_group_buckets(index)
+        set_masks(self._buckets, momentum_masks or {}, self._MASKED)
+
+    # ----------------------------------------------------------------- what a subclass provides
+
+    @classmethod
+    def _check_group(cls, group: Mapping[str, Any]) -> None:
+        """Validate one param group's hyperparameters (raise TypeError/ValueError)."""
+        check_common_group(group, cls.__name__)
+
+    def plan_for(self, step: int) -> StepPlan:
+        """The plan of step ``step`` (1-based), from the step number alone."""
+        raise NotImplementedError
+
+    def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """Update from the bucket's averaged gradient (``bucket.averaged_grad()``)."""
+        raise NotImplementedError
+
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+        """Prepare and return the flat buffer (``bucket.padded`` elements) whose 1-bit average this
+        step needs; it is replaced by that average in place. ``grads``: local, None for zero."""
+        raise NotImplementedError
+
+    def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """Update once the buffer of :meth:`_compress_input` holds its compressed average."""
+        raise NotImplementedError
+
+    def _update_local(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
+        """Update a bucket on a step that communicates nothing for it."""
+        raise NotImplementedError
+
+    def _dead(self, bucket: Bucket) -> torch.Tensor | None:
+        """Coordinates (bool over the padded buffer) whose compressed value is forced to 0 from the
+        first compressed step on, besides the masks and the padding; None for none."""
+        return None
+
+    def _on_compression(self, buckets: list[Bucket], t: int, dead: int) -> None:
+        """Called when the keep masks of ``buckets`` were derived (first compressed step, or the
+        first after a load); ``dead``: how many coordinates :meth:`_dead` gave."""
+
+    def _schedule_state(self) -> dict[str, Any]:
+        """The schedule settings saved in ``state_dict()['onebit']``."""
+        return {}
+
+    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate the schedule settings of a saved ``state_dict()['onebit']``; return them."""
+        return {}
+
+    def _apply_schedule(self, schedule: dict[str, Any]) -> None:
+        """Adopt validated schedule settings (after a load)."""
+
+    # ----------------------------------------------------------------- construction
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"a param group must be a dict, got {type(param_group).__name__}")
+        hyper = {k: v for k, v in param_group.items() if k != "params"}
+        self._check_group({**self.defaults, **hyper})
+        params = param_group.get("params", [])
+        params = [params] if isinstance(params, torch.Tensor) else params
+        if not isinstance(params, (set, frozenset)):
+            params = list(params)
+            check_params(params, type(self).__name__)
+            param_group = {**param_group, "params": params}
+        super().add_param_group(param_group)
+        if self._backend is not None:
+            self._build_group_buckets(len(self.param_groups) - 1)
+
+    def _build_group_buckets(self, index: int) -> None:
+        group = self.param_groups[index]
+        for params in split_into_buckets(group["params"], self.bucket_size):
+            bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
+                            self._BUFFERS, self._SCALARS)
+            for i, p in enumerate(params):
+                self.state[p] = {**{name: views[i] for name, views in bucket.views.items()},
+                                 **{name: values[i] for name, values in bucket.scalars.items()}}
+            if bucket.device not in self._kernels:
+                self._kernels[bucket.device] = get_kernels(bucket.device, self._kernel_choice)
+            self._buckets.append(bucket)
+
+    # ----------------------------------------------------------------- public state
+
+    @property
+    def next_plan(self) -> StepPlan:
+        """The plan of the next ``step()``."""
+        return self.plan_for(self._step + 1)
+
+    @property
+    def phase(self) -> str:
+        """The name of the next step's plan (e.g. ``'warmup'`` or ``'compression'``)."""
+        return self.next_plan.name
+
+    @property
+    def step_count(self) -> int:
+        """Number of ``step()`` calls applied (restored by ``load_state_dict``)."""
+        return self._step
+
+    @property
+    def backend(self) -> CommBackend:
+        """The transport in use."""
+        return self._backend.inner
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def nonfinite_grads(self) -> str:
+        return self._health.nonfinite_grads
+
+    @property
+    def divergence(self) -> str:
+        return self._health.divergence
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Communication statistics of this rank, per plan name and for the last step.
+
+        ``bytes_sent`` counts what this rank sends under a bandwidth-optimal algorithm for each
+        collective (see :mod:`onebit.stats`). ``worker_error_norm`` / ``server_error_norm`` are
+        the current L2 norms of the compression errors (computed on request).
+        ``skipped_in_a_row``: the current run of steps skipped for non-finite gradients;
+        ``error_to_momentum``: the worker error's norm over the compressed buffer's at the last
+        health check (mean over ranks; None before the first), see ``divergence``.
+        """
+        errors = self.compression_errors()
+
+        def norm(tensors: Iterable[torch.Tensor]) -> float:
+            return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
+        return {
+            "backend": self._backend.name,
+            "world_size": self._backend.world_size,
+            "phase": self.phase,
+            "step": self._step,
+            "buckets": len(self._buckets),
+            **{name: stats.as_dict() for name, stats in self._backend.totals.items()},
+            "last_step": self._backend.last_step.as_dict(),
+            "worker_error_norm": norm(w for w, _ in errors),
+            "server_error_norm": norm(s for _, s in errors),
+            "skipped_in_a_row": self._health.skipped_in_a_row,
+            "error_to_momentum": self._health.error_ratio_agreed,
+        }
+
+    def reset_comm_stats(self) -> None:
+        self._backend.reset()
+
+    def set_gradients_averaged(self, averaged: bool) -> None:
+        """Declare that on steps whose plan averages gradients they arrive already averaged over
+        ranks (e.g. by DDP with :func:`onebit.integrations.attach_ddp`), so ``step()`` does not
+        all-reduce them again. On other steps gradients must be local, whatever this says."""
+        check_flag("averaged", averaged)
+        self._gradients_averaged = averaged
+
+    def register_timer(self, timer: Callable[[str, float], None]) -> None:
+        """Call ``timer(label, seconds)`` after each labelled part of ``step()`` with its host wall
+        time: ``gather_grads``, ``finite_check``, ``compress_input``, ``codec_worker``,
+        ``codec_server``, ``codec_decode``, ``update`` (communication is in ``comm_stats()``).
+        Each part is also a ``torch.profiler.record_function`` range named ``onebit.<label>``."""
+        self._timed.add(timer)
+
+    # ----------------------------------------------------------------- compression errors, layout
+
+    def compression_errors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The live (worker error, server error) of every compressed bucket, in bucket order; they
+        are this rank's own (copy them to keep them)."""
+        return [(b.compression.worker_error, b.compression.server_error) for b in self._buckets
+                if b.compression is not None]
+
+    def reset_compression_errors(self) -> None:
+        """Zero the worker and server errors of every bucket (what ``load_state_dict`` does)."""
+        for bucket in self._buckets:
+            if bucket.compression is not None:
+                bucket.compression.reset_errors_()
+
+    def layout_digest(self) -> str:
+        """16 hex digits that differ when the parameter layout (groups, shapes, dtypes, buckets,
+        segments) does: what must match for compression errors to be exchanged."""
+        return layout_digest(self._buckets)
+
+    # ----------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step. Every call updates the parameters (no hidden first-step dry run),
+        unless the gradients are not finite on some rank: then, by ``nonfinite_grads``, every rank
+        skips the step together (parameters, state, errors and step count untouched) or raises."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        check_grads(self._buckets, type(self).__name__)
+        start = time.perf_counter()
+        t = self._step + 1
+        plan = self.plan_for(t)
+        self._backend.begin_step(plan.name)
+        if not self._layout_checked:  # first step: ranks holding different models fail clearly
+            check_layout(self._buckets, self._backend)
+            self._layout_checked = True
+        applied = self._run(plan, t)
+        rank = self._backend.rank
+        self._health.count_skips(applied, t, plan.name, rank)
+        if applied and plan.compress:
+            self._compressed_steps += 1
+            if self._compressed_steps % HEALTH_CHECK_INTERVAL == 0:
+                self._health.measure([(b.compression.worker_error, b.compressed, _segment_sizes(b))
+                                      for b in self._buckets if b.compression is not None and b.compressed is not None])
+        self._backend.end_step(applied, time.perf_counter() - start)
+        return loss
+
+    def _run(self, plan: StepPlan, t: int) -> bool:
+        """Run step ``t`` over all buckets; return False when it was skipped for non-finite grads."""
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        found_inf = getattr(self, "found_inf", None)
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        compressed = [b for b in self._buckets if plan.compress and b.compression is not None]
+        # Buckets that are not compressed all-reduce their gradients in full precision on every
+        # step that communicates (a compress=False group), unless the caller averaged them.
+        averaged = [b for b in self._buckets if b not in compressed and (plan.average_gradients or plan.compress)]
+        with self._timed("gather_grads"):
+            grads = [grads_of(b, b in averaged, inv_scale) for b in self._buckets]
+        # Ranks agree on finiteness before anything changes. Full-precision all-reduces carry a NaN
+        # or inf to every rank by themselves; otherwise (a compressed step, or a local one on
+        # several ranks, whose step counts must stay equal) one scalar all-reduce does.
+        local_bad = found_inf is not None and bool(found_inf.item() > 0)
+        communicates = plan.average_gradients or plan.compress
+        counted = bool(compressed) or (not communicates and self._backend.world_size > 1)
+        if counted:
+            with self._timed("finite_check"):
+                local_bad = local_bad or not all_finite(grads)
+            # The same scalar all-reduce carries the last health check's error ratio, so that every
+            # rank agrees on it (and raises together, if asked to).
+            ratio = self._health.error_ratio
+            flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio], device=self._device())
+            self._backend.all_reduce_mean_(flag)
+            bad_ranks = round(flag[0].item() * self._backend.world_size)
+            if ratio is not None:
+                self._health.judge(float(flag[1].item()), t, self._backend.rank)
+        for bucket in averaged:
+            if not (self._gradients_averaged and plan.average_gradients):
+                self._backend.all_reduce_mean_(bucket.scratch("grad" if bucket.padded == bucket.numel else "wire"))
+        if not counted:
+            with self._timed("finite_check"):
+                bad_ranks = int(local_bad or not all_finite(grads))
+        if bad_ranks:
+            where = (f"on {bad_ranks} of {self._backend.world_size} ranks" if counted
+                     else "in the averaged gradients" if communicates else "in the gradients")
+            return self._health.nonfinite(t, where, self._backend.rank)
+        if compressed and not all(b.frozen_mask_ready for b in compressed):
+            dead = sum(build_keep_mask(b, self._dead(b)) for b in compressed)
+            self._on_compression(compressed, t, dead)
+        # Compressed buckets are pipelined: each bucket's all-to-all and all-gather are in flight
+        # while the other buckets are compressed, recompressed and updated (same results as one
+        # bucket after the other; every rank starts the collectives in the same order).
+        for bucket, bucket_grads in zip(self._buckets, grads):
+            if bucket in compressed:
+                group = self.param_groups[bucket.group_index]
+                with self._timed("compress_input"):
+                    bucket.compressed = self._compress_input(bucket, bucket_grads, group, t)
+                start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket))
+        for bucket, bucket_grads in zip(self._buckets, grads):
+            if bucket not in compressed:
+                with self._timed("update"):
+                    if bucket in averaged:
+                        self._update_averaged(bucket, self.param_groups[bucket.group_index], t)
+                    else:
+                        self._update_local(bucket, bucket_grads, self.param_groups[bucket.group_index], t)
+        for bucket in compressed:
+            start_server_(bucket.compression, self._backend, self._kernels_for(bucket))
+        for bucket in compressed:
+            finish_(bucket.compressed, bucket.compression, self._kernels_for(bucket), bucket.frozen_keep)
+            if bucket.frozen_keep is None and bucket.frozen_zeros is not None:
+                bucket.compressed.index_fill_(0, bucket.frozen_zeros, 0.0)
+            with self._timed("update"):
+                self._update_compressed(bucket, self.param_groups[bucket.group_index], t)
+        self._step = t
+        return True
+
+    def _device(self) -> torch.device:
+        return self._buckets[0].device if self._buckets else torch.device("cpu")
+
+    def _kernels_for(self, bucket: Bucket) -> KernelSet:
+        kernels = self._kernels[bucket.device]
+        return timed_kernels(kernels, self._timed) if self._timed.callbacks else kernels
+
+
+def _segment_sizes(bucket: Bucket) -> list[int]:
+    edges = bucket.layout.edges
+    return [b - a for a, b in zip(edges[:-1], edges[1:])]

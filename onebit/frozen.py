@@ -1,0 +1,86 @@
+"""What 1-bit Adam and 1-bit LAMB share: ``freeze_step`` warmup steps that average gradients in
+full precision, then a frozen variance and a momentum averaged with the 1-bit all-reduce."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from . import functional as F
+from .buckets import Bucket
+from .engine import OnebitOptimizer, StepPlan
+from .validation import check_int
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FrozenVarianceOptimizer", "WARMUP", "COMPRESSION"]
+
+WARMUP = StepPlan("warmup", average_gradients=True)
+COMPRESSION = StepPlan("compression", compress=True)
+
+
+class FrozenVarianceOptimizer(OnebitOptimizer):
+    """Steps ``1..freeze_step`` are :data:`WARMUP` (full-precision gradient average), every later
+    step is :data:`COMPRESSION`: each rank updates its momentum ``exp_avg`` with its local gradient
+    and the momenta are averaged with the compressed all-reduce; the variance ``exp_avg_sq`` is
+    frozen. Coordinates whose frozen variance is exactly 0 keep a zero momentum (their update
+    ``m / (sqrt(v) + eps)`` would be ``+-scale / eps``: 1 bit cannot encode 0)."""
+
+    PLAN_NAMES: ClassVar[tuple[str, ...]] = (WARMUP.name, COMPRESSION.name)
+    _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
+    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
+
+    def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int, **options: Any) -> None:
+        check_int("freeze_step", freeze_step, 1, ", because the variance is frozen after freeze_step steps of "
+                  "full-precision warmup and a zero variance would make the update m / eps")
+        self.freeze_step = freeze_step
+        super().__init__(params, defaults, **options)
+
+    def plan_for(self, step: int) -> StepPlan:
+        return WARMUP if step <= self.freeze_step else COMPRESSION
+
+    def _dead(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.buffers["exp_avg_sq"] == 0
+
+    def _on_compression(self, buckets: list[Bucket], t: int, dead: int) -> None:
+        if self._backend.rank == 0:
+            what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
+            logger.info(
+                "onebit: step %d: %s 1-bit compressed momentum%s", t, what,
+                f"; {dead} coordinates with zero variance keep a zero momentum" if dead else "",
+            )
+
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+        """The momentum, updated with the local gradients (the variance stays frozen)."""
+        F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
+        return bucket.buffers["exp_avg"]
+
+    @staticmethod
+    def _frozen_denominator(bucket: Bucket, eps: float, bc2: float = 1.0) -> list[torch.Tensor]:
+        """Per-parameter views of ``sqrt(v / bc2) + eps`` of the frozen variance, computed once per
+        ``(eps, bc2)`` (and again after a load)."""
+        key = (eps, bc2)
+        if bucket.denominator is None or bucket.denominator_key != key:
+            v = bucket.buffers["exp_avg_sq"]
+            bucket.denominator = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
+            bucket.denominators = bucket.view(bucket.denominator)
+            bucket.denominator_key = key
+        return bucket.denominators
+
+    def _schedule_state(self) -> dict[str, Any]:
+        return {"freeze_step": self.freeze_step}
+
+    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        freeze_step = meta.get("freeze_step")
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
+        return {"freeze_step": freeze_step}
+
+    def _apply_schedule(self, schedule: dict[str, Any]) -> None:
+        if schedule["freeze_step"] != self.freeze_step:
+            logger.info("onebit: freeze_step %d restored from the checkpoint (was %d)", schedule["freeze_step"],
+                        self.freeze_step)
+        self.freeze_step = schedule["freeze_step"]

@@ -1,0 +1,103 @@
+"""A run going wrong, said out loud: non-finite gradients, skipped steps in a row, and compression
+errors that outgrow what they compress (the ``nonfinite_grads`` and ``divergence`` options of every
+onebit optimizer)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger("onebit.engine")
+
+__all__ = ["Health", "SKIPS_TO_WARN", "ERROR_RATIO_TO_WARN", "HEALTH_CHECK_INTERVAL"]
+
+# This many skipped steps in a row, or a tensor whose worker compression error is above this many
+# times the norm of what it compresses, checked every so many compression steps (two extra passes
+# over the buffers then). A healthy run keeps the ratio near 1 (1-bit quantization of Gaussian-like
+# values leaves an error of about 0.6 of the input's norm; a tensor whose gradient stops decays
+# with a ratio near 1.3); a tensor that shares a scale with much larger ones, as in one scale per
+# bucket, gets errors of the size of the others' momenta.
+SKIPS_TO_WARN = 3
+ERROR_RATIO_TO_WARN = 10.0
+HEALTH_CHECK_INTERVAL = 16
+
+
+class Health:
+    """The bookkeeping of one optimizer. Every decision here is taken on values that are the same
+    on every rank (agreed through the step's finiteness all-reduce), so that ranks raise together."""
+
+    def __init__(self, nonfinite_grads: str, divergence: str) -> None:
+        self.nonfinite_grads = nonfinite_grads
+        self.divergence = divergence
+        self.skipped_in_a_row = 0
+        self.error_ratio: float | None = None  # worker error / compressed norm at the last check (local)
+        self.error_ratio_agreed: float | None = None  # its mean over ranks, agreed at the next step
+        self._warned: set[str] = set()  # the kinds of divergence warned about in the current episode
+
+    def reset(self) -> None:
+        """After a load: the measurements were of the state before it."""
+        self.error_ratio = self.error_ratio_agreed = None
+
+    def nonfinite(self, t: int, where: str, rank: int) -> bool:
+        """Non-finite gradients ``where`` at step ``t``: raise, or say the step is skipped (False)."""
+        if self.nonfinite_grads == "raise":
+            raise FloatingPointError(
+                f"non-finite gradients {where} at step {t}; nothing was changed. Pass nonfinite_grads='skip' "
+                "to skip such steps on every rank (as AMP's GradScaler expects)"
+            )
+        if rank == 0:
+            logger.debug("onebit: step %d skipped on every rank: non-finite gradients %s", t, where)
+        return False
+
+    def count_skips(self, applied: bool, t: int, plan: str, rank: int) -> None:
+        """Count skipped steps in a row; warn (or raise) once when they reach SKIPS_TO_WARN."""
+        if applied:
+            if self.skipped_in_a_row >= SKIPS_TO_WARN and rank == 0:
+                logger.warning("onebit: step %d applied after %d skipped steps in a row", t, self.skipped_in_a_row)
+            self.skipped_in_a_row = 0
+            self._warned.discard("skips")
+            return
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row >= SKIPS_TO_WARN and "skips" not in self._warned:
+            self._warned.add("skips")
+            self._diverging(
+                f"{self.skipped_in_a_row} step() calls in a row were skipped for non-finite gradients (at step "
+                f"{t}, a {plan} step); the run may be diverging: lower the learning rate, or in compression "
+                "raise freeze_step", rank)
+
+    def measure(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor, list[int]]]) -> None:
+        """Record the largest ratio, over this rank's segments (tensors, or blocks of them), of the
+        worker compression error's norm to the compressed buffer's (``(error, buffer, segment
+        sizes)`` per bucket); segments whose buffer is 0 (masked) are left out."""
+        worst = None
+        for error, buffer, sizes in pairs:
+            errors = torch.stack(torch._foreach_norm(list(error.split(sizes))))
+            values = torch.stack(torch._foreach_norm(list(buffer.split(sizes))))
+            live = values > 0
+            if bool(live.any()):
+                ratio = float((errors[live] / values[live]).max())
+                worst = ratio if worst is None else max(worst, ratio)
+        self.error_ratio = worst
+
+    def judge(self, agreed: float, t: int, rank: int) -> None:
+        """The mean over ranks of the last measurement, agreed before step ``t``."""
+        self.error_ratio, self.error_ratio_agreed = None, agreed
+        if agreed <= ERROR_RATIO_TO_WARN:
+            self._warned.discard("errors")
+            return
+        if "errors" not in self._warned:
+            self._warned.add("errors")
+            self._diverging(
+                f"before step {t} the worker compression error norm of a tensor is {agreed:.3g} times its "
+                f"momentum's norm (worst tensor, mean over ranks; above {ERROR_RATIO_TO_WARN:g}): 1-bit compression "
+                "is no longer tracking the momentum; the run may be diverging: lower the learning rate, raise "
+                "freeze_step, or try scale_block_size", rank)
+
+    def _diverging(self, message: str, rank: int) -> None:
+        """Warn on rank 0, or raise on every rank (the caller's condition is the same on all)."""
+        if self.divergence == "raise":
+            raise FloatingPointError(f"onebit: {message} (divergence='raise')")
+        if rank == 0:
+            logger.warning("onebit: %s", message)

@@ -1,0 +1,200 @@
+"""OnebitLamb: LAMB with a full-precision warmup, then frozen trust ratios and 1-bit momentum averaging."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from . import functional as F
+from .buckets import Bucket
+from .frozen import FrozenVarianceOptimizer
+from .validation import check_number
+
+__all__ = ["OnebitLamb"]
+
+# Keys DeepSpeed's OnebitLamb accepted and ignored; onebit refuses them, with the reason.
+DEEPSPEED_IGNORED = {
+    "bias_correction": "DeepSpeed's OnebitLamb read it and never used it: there is no bias correction in 1-bit LAMB",
+    "max_grad_norm": "clip gradients in the training loop (torch.nn.utils.clip_grad_norm_) before step()",
+    "eps_inside_sqrt": "eps is always added outside the square root (DeepSpeed's behaviour)",
+    "amsgrad": "AMSGrad is not implemented",
+}
+
+
+class OnebitLamb(FrozenVarianceOptimizer):
+    r"""1-bit LAMB (Li et al., 2021, arXiv 2104.06069) as a plain ``torch.optim.Optimizer``.
+
+    **Warmup** (steps ``1..freeze_step``): gradients are averaged in full precision and each
+    tensor takes a LAMB step without bias correction, ``u = m / (sqrt(v) + eps) + wd p``,
+    ``p -= lr c u`` with the trust ratio ``c = clamp(||p|| / ||u||, min_coeff, max_coeff)``; the
+    ratios are averaged, ``c_frozen = coeff_beta c_frozen + (1 - coeff_beta) c`` (from 0, as in
+    DeepSpeed: keep ``1 / (1 - coeff_beta)`` well below ``freeze_step``). At step
+    ``freeze_step`` the variance is copied into ``exp_avg_sq_fresh``.
+
+    **Compression**: the variance ``v`` is frozen; each rank updates its momentum with its local
+    gradient and the momenta are averaged with the error-compensated 1-bit all-reduce (per-tensor
+    scales). From the averaged momentum the gradient is reconstructed,
+    ``g = (m - beta1 m_prev) / (1 - beta1)``, and feeds the fresh variance ``v_fresh``. Each tensor
+    steps by ``p -= lr c_frozen f u`` with ``f`` the largest ``(sqrt(v) + eps) / (sqrt(v_fresh) +
+    eps)`` over its coordinates, pulled towards 1 by weight decay, clamped to ``[factor_min,
+    factor_max]`` and to within ``factor_threshold`` of the previous step's ``f`` (which starts
+    at 1). ``min_coeff``/``max_coeff`` apply to warmup only.
+
+    These are DeepSpeed 0.19.6's numerics. What differs, on purpose:
+
+    * no hidden first step: every ``step()`` uses its gradient;
+    * a tensor whose norm (or update's) is 0, e.g. a zero-initialised bias, gets the trust ratio
+      1 *clamped* to ``[min_coeff, max_coeff]``, and every warmup step enters the average
+      (DeepSpeed skipped both, so such tensors could stop moving for good after a short warmup);
+    * the fresh variance is copied at step ``freeze_step`` whatever it is (DeepSpeed missed the
+      copy with ``freeze_step <= 1``, and ``f`` then ramped up by 10% a step);
+    * ``f`` is taken over live coordinates: masked ones and those whose frozen variance is 0
+      (kept at zero momentum) do not pin it (DeepSpeed's ratio there, up to ``sqrt(v) / eps``,
+      pinned ``f`` to ``factor_max`` or at least 1 for the whole tensor);
+    * every tensor has its own compression scales (``bucket_size`` changes the collectives, not
+      the numerics), so DeepSpeed's ``scaling_coeff`` (one shared scale for the whole model,
+      equalised by a per-tensor factor fixed at the first compression step, which crashed on a
+      zero momentum) is not needed; on a single tensor the two are the same;
+    * a checkpoint restores the averaged ratios and factors (DeepSpeed reset them in warmup,
+      and in compression its next step updated the variance from a local gradient);
+    * ``bias_correction``, ``max_grad_norm``, ``eps_inside_sqrt`` and ``amsgrad``, which DeepSpeed
+      accepted and ignored, are refused.
+
+    Args:
+        params: parameters or param groups. A group may set its own ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``max_coeff``, ``min_coeff``, and ``compress=False`` (full-precision
+            gradient average and LAMB in both phases).
+        lr, betas, eps, weight_decay: as in LAMB (``weight_decay`` is decoupled, inside ``u``).
+        freeze_step: number of warmup steps (>= 1); the paper's BERT runs use about 15-25% of
+            training.
+        max_coeff, min_coeff: bounds of the warmup trust ratio.
+        coeff_beta: the averaging factor of the warmup trust ratios.
+        factor_max, factor_min, factor_threshold: bounds of ``f``, and its largest relative
+            change per step.
+        **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
+            scale blocks, non-finite gradients, divergence, kernels): see
+            :class:`onebit.engine.OnebitOptimizer`.
+    """
+
+    _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq", "exp_avg_sq_fresh")
+    _SCALARS: ClassVar[dict[str, float]] = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0}
+    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        **options: Any,
+    ) -> None:
+        for key in DEEPSPEED_IGNORED:
+            if key in options:
+                raise TypeError(f"OnebitLamb does not take {key!r} ({DEEPSPEED_IGNORED[key]}); remove it")
+        check_number("coeff_beta", coeff_beta, high=1.0, high_open=True)
+        check_number("factor_min", factor_min)
+        check_number("factor_max", factor_max)
+        if factor_min > factor_max:
+            raise ValueError(f"factor_min ({factor_min}) must not exceed factor_max ({factor_max})")
+        check_number("factor_threshold", factor_threshold)
+        self.coeff_beta, self.factor_max, self.factor_min = coeff_beta, factor_max, factor_min
+        self.factor_threshold = factor_threshold
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+                        weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
+        super().__init__(params, defaults, freeze_step, **options)
+
+    @classmethod
+    def _check_group(cls, group: Mapping[str, Any]) -> None:
+        super()._check_group(group)
+        for key in DEEPSPEED_IGNORED:
+            if key in group:
+                raise ValueError(f"param group key {key!r} is not read by OnebitLamb ({DEEPSPEED_IGNORED[key]}); remove it")
+        check_number("max_coeff", group["max_coeff"])
+        check_number("min_coeff", group["min_coeff"])
+        if group["min_coeff"] > group["max_coeff"]:
+            raise ValueError(f"min_coeff ({group['min_coeff']}) must not exceed max_coeff ({group['max_coeff']})")
+
+    def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """LAMB on the bucket's averaged gradient: warmup, and ``compress=False`` groups."""
+        beta1, beta2 = group["betas"]
+        m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]
+        F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
+        if bucket.mask is not None:
+            m.mul_(bucket.mask)
+        if t == self.freeze_step:
+            bucket.buffers["exp_avg_sq_fresh"].copy_(v)
+        updates = bucket.view(F.adam_direction_(bucket.scratch("update"), m, v, group["eps"]))
+        if group["weight_decay"] != 0:
+            torch._foreach_add_(updates, self._float(bucket.params), alpha=group["weight_decay"])
+        coeff = F.lamb_trust_ratio(self._norms(bucket.params), self._norms(updates), group["min_coeff"],
+                                   group["max_coeff"])
+        if t <= self.freeze_step:
+            frozen = bucket.scalars["lamb_coeff_freeze"]
+            frozen.mul_(self.coeff_beta).add_(coeff, alpha=1 - self.coeff_beta)
+        self._apply(bucket, updates, coeff, group["lr"])
+
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+        bucket.scratch("prev").copy_(bucket.buffers["exp_avg"])
+        return super()._compress_input(bucket, grads, group, t)
+
+    def _on_compression(self, buckets: list[Bucket], t: int, dead: int) -> None:
+        super()._on_compression(buckets, t, dead)
+        for bucket in buckets:  # 1 where the momentum is live: where the factor is measured
+            live = bucket.scratch("live")
+            live.fill_(1.0)
+            live.masked_fill_(bucket.buffers["exp_avg_sq"] == 0, 0.0)
+            live.masked_fill_(~bucket.real(), 0.0)
+            if bucket.mask is not None:
+                live.mul_(bucket.mask)
+
+    def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """After the 1-bit average of the momentum: the fresh variance from the reconstructed
+        gradient, the factor, and ``p -= lr c_frozen f (m / d + wd p)``."""
+        beta1, beta2 = group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        m = bucket.buffers["exp_avg"]
+        fresh = bucket.buffers["exp_avg_sq_fresh"]
+        work = F.reconstructed_grad_(bucket.scratch("prev"), m, beta1)
+        fresh.mul_(beta2).addcmul_(work, work, value=1 - beta2)
+        self._frozen_denominator(bucket, eps)
+        ratio = F.adam_denominator_(work, fresh, eps)
+        torch.div(bucket.denominator, ratio, out=ratio).mul_(bucket.scratch("live"))
+        max_ratio = torch.stack(torch._foreach_max(bucket.view(ratio)))
+        updates = bucket.view(torch.div(m, bucket.denominator, out=bucket.scratch("update")))
+        prelim_norms = update_norms = None
+        if weight_decay != 0:
+            prelim_norms = self._norms(updates)
+            torch._foreach_add_(updates, self._float(bucket.params), alpha=weight_decay)
+            update_norms = self._norms(updates)
+        last = bucket.scalars["last_factor"]
+        last.copy_(F.lamb_factor(max_ratio, prelim_norms, update_norms, last, self.factor_min, self.factor_max,
+                                 self.factor_threshold))
+        self._apply(bucket, updates, bucket.scalars["lamb_coeff_freeze"] * last, group["lr"])
+
+    @staticmethod
+    def _float(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t if t.dtype == torch.float32 else t.float() for t in tensors]
+
+    def _norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(torch._foreach_norm(self._float(tensors)))
+
+    @staticmethod
+    def _apply(bucket: Bucket, updates: list[torch.Tensor], coeff: torch.Tensor, lr: float) -> None:
+        """``p -= lr * coeff_i * u_i`` per tensor (one host read of the coefficients)."""
+        torch._foreach_mul_(updates, [-lr * c for c in coeff.tolist()])
+        if bucket.same_dtype:
+            torch._foreach_add_(bucket.params, updates)
+            return
+        for p, u in zip(bucket.params, updates):
+            p.add_(u.to(p.dtype))

@@ -1,0 +1,246 @@
+"""The ``state_dict`` contract of every onebit optimizer (used by :class:`onebit.engine.OnebitOptimizer`).
+
+Format (version 2)::
+
+    {
+      "state": {index: {name: Tensor, ..., scalar: float, ...}, ...},  # tensors shaped like each param
+      "param_groups": [{<the algorithm's group hyperparameters>, "compress", "params": [index, ...]}, ...],
+      "onebit": {"format_version": 2, "algorithm": "OnebitAdam", "step": int, <its schedule>},
+    }
+
+The per-parameter names are the algorithm's (``OnebitAdam``: ``exp_avg``, ``exp_avg_sq``), and so
+is the schedule (``freeze_step`` for 1-bit Adam and 1-bit LAMB). Parameters are numbered in
+param-group order, as ``torch.optim`` does. Nothing depends on the world size: compression errors
+are rank-local and are reset on load (``onebit.save_checkpoint(..., exact_resume=True)`` keeps
+them per rank); masks belong to the model code and are given to the constructor. Version 1 (onebit
+0.1's ``OnebitAdam``, without ``algorithm``) still loads into ``OnebitAdam``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import OnebitOptimizer
+
+FORMAT_VERSION = 2
+
+logger = logging.getLogger("onebit.engine")
+
+__all__ = ["FORMAT_VERSION", "StateDictContract", "build_state_dict", "validate_state_dict", "check_compression_errors",
+           "apply_state", "LoadedState"]
+
+
+@dataclass
+class LoadedState:
+    """A validated state dict, ready to apply."""
+    step: int
+    schedule: dict[str, Any]
+    hyperparameters: list[dict[str, Any]]
+    entries: dict[int, dict[str, Any]]  # parameter index -> {name: tensor or float}
+
+
+def build_state_dict(opt: OnebitOptimizer) -> dict[str, Any]:
+    index_of: dict[int, int] = {}
+    groups = []
+    for group in opt.param_groups:
+        ids = []
+        for p in group["params"]:
+            index_of[id(p)] = len(index_of)
+            ids.append(index_of[id(p)])
+        saved = {k: (tuple(v) if k == "betas" else v) for k, v in group.items() if k != "params"}
+        saved["params"] = ids
+        groups.append(saved)
+    state = {}
+    for p, entry in opt.state.items():
+        state[index_of[id(p)]] = {
+            name: (value.clone() if name in opt._BUFFERS else float(value)) for name, value in entry.items()
+        }
+    meta = {"format_version": FORMAT_VERSION, "algorithm": type(opt).__name__, "step": opt.step_count,
+            **opt._schedule_state()}
+    return {"state": state, "param_groups": groups, "onebit": meta}
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"cannot load optimizer state: {message}")
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
+    """Check everything against ``opt``; change nothing."""
+    owner = type(opt).__name__
+    if not isinstance(sd, Mapping):
+        _fail(f"expected a dict from {owner}.state_dict(), got {type(sd).__name__}")
+    missing = [k for k in ("state", "param_groups", "onebit") if k not in sd]
+    if missing:
+        hint = f" (this looks like a torch.optim state dict, not {owner}'s)" if "onebit" in missing else ""
+        _fail(f"missing keys {missing}{hint}")
+    meta = sd["onebit"]
+    if not isinstance(meta, Mapping):
+        _fail(f"'onebit' must be a dict, got {type(meta).__name__}")
+    version = _check_int("format_version", meta.get("format_version"), 1)
+    if version > FORMAT_VERSION:
+        _fail(f"format_version {version} is newer than this onebit supports ({FORMAT_VERSION}); upgrade onebit")
+    algorithm = meta.get("algorithm", "OnebitAdam")  # version 1 had only OnebitAdam
+    if algorithm != owner:
+        _fail(f"it was saved by {algorithm!r}, this optimizer is {owner!r}; load it into a {algorithm}")
+    step = _check_int("step", meta.get("step"), 0)
+    try:
+        schedule = opt._check_schedule(meta)
+    except (TypeError, ValueError) as exc:
+        _fail(str(exc))
+
+    groups = sd["param_groups"]
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(opt.param_groups):
+        count = len(groups) if isinstance(groups, (list, tuple)) else type(groups).__name__
+        _fail(f"the checkpoint has {count} param groups, this optimizer has {len(opt.param_groups)}")
+    hypers = []
+    params_by_index: dict[int, torch.Tensor] = {}
+    for g, (saved, live) in enumerate(zip(groups, opt.param_groups)):
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
+            _fail(f"param group {g} is not a dict with a 'params' list")
+        if len(saved["params"]) != len(live["params"]):
+            _fail(f"param group {g} has {len(saved['params'])} parameters in the checkpoint, "
+                  f"{len(live['params'])} here; was it saved from a different model?")
+        absent = [k for k in opt._GROUP_KEYS if k not in saved]
+        if absent:
+            _fail(f"param group {g} lacks hyperparameters {absent}")
+        if saved.get("compress", True) != live["compress"]:
+            _fail(f"param group {g} has compress={saved.get('compress')!r} in the checkpoint and "
+                  f"compress={live['compress']!r} here; build the optimizer with the same groups")
+        hyper = {k: saved[k] for k in opt._GROUP_KEYS}
+        hyper["betas"] = tuple(hyper["betas"]) if isinstance(hyper["betas"], (list, tuple)) else hyper["betas"]
+        try:
+            opt._check_group({**hyper, "compress": live["compress"]})
+        except (TypeError, ValueError) as exc:
+            _fail(f"param group {g}: {exc}")
+        hypers.append(hyper)
+        for index, p in zip(saved["params"], live["params"]):
+            params_by_index[_check_int(f"param index in group {g}", index, 0)] = p
+
+    state = sd["state"]
+    if not isinstance(state, Mapping):
+        _fail(f"'state' must be a dict, got {type(state).__name__}")
+    entries: dict[int, dict[str, Any]] = {}
+    for index, p in params_by_index.items():
+        if p not in opt.state:
+            continue  # not trainable here (requires_grad=False): nothing to restore
+        entries[index] = _validate_entry(opt, index, p, state.get(index))
+    return LoadedState(step, schedule, hypers, entries)
+
+
+def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: Any) -> dict[str, Any]:
+    names = list(opt._BUFFERS) + list(opt._SCALARS)
+    if not isinstance(entry, Mapping) or any(name not in entry for name in names):
+        _fail(f"no {'/'.join(names)} for parameter {index} of shape {tuple(p.shape)}; "
+              "was it saved from a different model?")
+    for name in opt._BUFFERS:
+        t = entry[name]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            _fail(f"{name} of parameter {index} must be a float tensor, got {type(t).__name__}")
+        if t.shape != p.shape:
+            _fail(f"{name} of parameter {index} has shape {tuple(t.shape)}, the parameter has "
+                  f"{tuple(p.shape)}; was it saved from a different model?")
+        if not bool(torch.isfinite(t).all()):
+            _fail(f"{name} of parameter {index} contains NaN or inf; the checkpoint is corrupt")
+        if name in opt._NONNEGATIVE and bool((t < 0).any()):
+            _fail(f"{name} of parameter {index} has negative entries; the checkpoint is corrupt")
+    for name in opt._SCALARS:
+        value = entry[name]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            _fail(f"{name} of parameter {index} must be a finite number, got {value!r}")
+    return {name: entry[name] for name in names}
+
+
+def check_compression_errors(opt: OnebitOptimizer, errors: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    """``errors`` (or None) fit ``opt.compression_errors()``: same count, same shapes."""
+    if errors is None:
+        return
+    live = opt.compression_errors()
+    if len(errors) != len(live) or any(w.shape != lw.shape or s.shape != ls.shape
+                                       for (w, s), (lw, ls) in zip(errors, live)):
+        _fail("the compression errors do not match this optimizer's buckets (saved with another world size "
+              "or layout?)")
+
+
+def apply_state(opt: OnebitOptimizer, loaded: LoadedState) -> None:
+    """Copy a validated state into ``opt``'s parameters' state and groups."""
+    index = 0
+    for group, hyper in zip(opt.param_groups, loaded.hyperparameters):
+        for p in group["params"]:
+            for name, value in loaded.entries.get(index, {}).items():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    opt.state[p][name].copy_(value)
+                else:  # a per-parameter scalar (a float, or a 0-d tensor): float64 state, no rounding
+                    opt.state[p][name].fill_(float(value))
+            index += 1
+        group.update(hyper)
+
+
+class StateDictContract:
+    """The ``state_dict`` methods of :class:`onebit.engine.OnebitOptimizer` (which inherits them)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """World-size independent state (see :mod:`onebit.state`): the step, each parameter's
+        state (copies), hyperparameters, the schedule, a format version. Compression errors and
+        masks are not saved. Hooks registered with ``register_state_dict_pre_hook`` /
+        ``_post_hook`` run as in torch."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = build_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (from any world size). Validates everything before changing
+        anything, never modifies ``state_dict``, and resets the compression errors (they are
+        rank-local; the paper shows a reset does not hurt)."""
+        self.restore(state_dict)
+
+    def restore(self, state_dict: dict[str, Any],
+                compression_errors: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """:meth:`load_state_dict`, with this rank's ``compression_errors`` (as
+        :meth:`compression_errors` gave them, on the same world size and layout) restored instead
+        of reset: the run then continues bit for bit. Hooks registered with
+        ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in torch."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        loaded = validate_state_dict(self, state_dict)
+        check_compression_errors(self, compression_errors)
+        # Everything is checked: from here on nothing can fail half-way on the user's input.
+        apply_state(self, loaded)
+        self._apply_schedule(loaded.schedule)
+        self._step = loaded.step
+        self._health.reset()
+        for bucket in self._buckets:
+            if bucket.mask is not None:
+                bucket.buffers[self._MASKED].mul_(bucket.mask)
+            bucket.frozen_zeros = bucket.frozen_keep = bucket.denominator = None
+            bucket.frozen_mask_ready = False
+        self.reset_compression_errors()
+        for (worker, server), (w, s) in zip(self.compression_errors(), compression_errors or []):
+            worker.copy_(w)
+            server.copy_(s)
+        if self._backend.rank == 0:
+            logger.info("onebit: loaded optimizer state at step %d (next: a %s step); compression errors %s",
+                        self._step, self.phase, "restored (exact resume)" if compression_errors is not None else "reset")
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

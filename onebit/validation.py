@@ -1,0 +1,92 @@
+"""Checks of user input shared by every onebit optimizer: numbers, parameters, param groups.
+
+Each raises ``TypeError`` or ``ValueError`` naming the value and what it must be.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["check_number", "check_int", "check_flag", "check_params", "check_common_group", "check_engine_options"]
+
+
+def check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
+    """A finite real number in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
+    if not math.isfinite(value) or value < low or (high is not None and (value >= high if high_open else value > high)):
+        bound = f"in [{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
+        raise ValueError(f"invalid {name}: {value!r}; it must be finite and {bound}")
+
+
+def check_int(name: str, value: Any, low: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"invalid {name}: {value}; it must be >= {low}{why}")
+
+
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_params(params: list[Any], owner: str) -> None:
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{owner} expects tensors (or param-group dicts), got {type(p).__name__}")
+        if p.is_complex():
+            raise ValueError(
+                f"complex parameter of shape {tuple(p.shape)}: {owner} handles real tensors only; "
+                "view it with torch.view_as_real before building the model"
+            )
+        if not p.is_floating_point():
+            raise ValueError(f"parameter of dtype {p.dtype} is not floating point; only float parameters can be optimized")
+        if p.is_sparse:
+            raise ValueError("sparse parameters are not supported; use dense tensors")
+
+
+def check_common_group(group: Mapping[str, Any], owner: str) -> None:
+    """The hyperparameters every algorithm of the family reads: lr, eps, weight_decay, betas,
+    compress (and no DeepSpeed ``exp_avg_mask``, which onebit takes as ``momentum_masks``)."""
+    check_number("lr", group["lr"])
+    check_number("eps", group["eps"])
+    if group["eps"] == 0:
+        raise ValueError(
+            "invalid eps: 0; it must be > 0: a coordinate whose gradient has been 0 has m = v = 0, and "
+            "its update m / (sqrt(v) + eps) would be 0 / 0 = NaN (use e.g. eps=1e-8)"
+        )
+    check_number("weight_decay", group["weight_decay"])
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    check_number("betas[0]", betas[0], high=1.0, high_open=True)
+    check_number("betas[1]", betas[1], high=1.0, high_open=True)
+    check_flag("compress", group["compress"])
+    if "exp_avg_mask" in group:
+        raise ValueError(
+            "param group key 'exp_avg_mask' (DeepSpeed) is not read by onebit; pass "
+            f"momentum_masks={{param: mask}} to {owner} instead"
+        )
+
+
+def check_engine_options(bucket_size: Any, nonfinite_grads: Any, divergence: Any, scale_block_size: Any,
+                         cuda_aware: Any) -> None:
+    """The keyword-only options of :class:`onebit.engine.OnebitOptimizer` that are plain values."""
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"invalid bucket_size: {bucket_size!r}; it must be a positive int (elements)")
+    if nonfinite_grads not in ("skip", "raise"):
+        raise ValueError(f"invalid nonfinite_grads: {nonfinite_grads!r}; expected 'skip' or 'raise'")
+    if divergence not in ("warn", "raise"):
+        raise ValueError(f"invalid divergence: {divergence!r}; expected 'warn' or 'raise'")
+    if scale_block_size is not None and (isinstance(scale_block_size, bool) or not isinstance(scale_block_size, int)
+                                         or scale_block_size < 1):
+        raise ValueError(
+            f"invalid scale_block_size: {scale_block_size!r}; it must be a positive int (elements per scale), "
+            "or None for one scale per tensor"
+        )
+    check_flag("cuda_aware", cuda_aware)
