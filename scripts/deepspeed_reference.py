@@ -1,9 +1,10 @@
-"""Record DeepSpeed 0.19.6's own OnebitAdam trajectories, for tests/test_deepspeed_parity.py.
+"""Record DeepSpeed 0.19.6's own OnebitAdam and OnebitLamb trajectories, for the parity tests.
 
 DeepSpeed removed its 1-bit optimizers after 0.19.6, and onebit claims to compute what DeepSpeed's
-``OnebitAdam`` computed. This script runs DeepSpeed's optimizer itself (not a re-implementation)
-on real gloo ranks on CPU and saves what it did, so that the test can replay the same training
-with onebit and compare rank 0's parameters after every step.
+``OnebitAdam`` and ``OnebitLamb`` computed. This script runs DeepSpeed's optimizer itself (not a
+re-implementation) on real gloo ranks on CPU and saves what it did, so that a test
+(``tests/test_deepspeed_parity.py``, ``tests/test_deepspeed_parity_lamb.py``) can replay the same
+training with onebit and compare rank 0's parameters after every step.
 
 Install DeepSpeed in a venv of its own, outside the repository (onebit does not depend on it)::
 
@@ -11,12 +12,14 @@ Install DeepSpeed in a venv of its own, outside the repository (onebit does not 
     /tmp/dsvenv/bin/pip install torch==2.13.0        # first: takes the local CPU wheel
     DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install numpy deepspeed==0.19.6
     /tmp/dsvenv/bin/python scripts/deepspeed_reference.py     # writes tests/data/deepspeed_onebitadam.pt
+    /tmp/dsvenv/bin/python scripts/deepspeed_reference.py --optimizer lamb   # ... deepspeed_onebitlamb.pt
 
-(``--out PATH`` writes elsewhere.) The first run JIT-builds DeepSpeed's CPU shared-memory comm
-op (a few minutes; cached under ~/.cache/torch_extensions), later runs take about a minute, and
-the file is bitwise reproducible (same torch). The script needs neither CUDA nor cupy, and it never edits
-DeepSpeed's files: it applies two small patches at run time, in each rank's process, where
-DeepSpeed 0.19.6 cannot run on CPU as shipped:
+(``--out PATH`` writes elsewhere.) The first run JIT-builds DeepSpeed's CPU shared-memory comm op (a
+few minutes; cached under ~/.cache/torch_extensions), later runs take about a minute, and the file
+is bitwise reproducible (same torch, same file name: ``torch.save`` names its archive after the
+file). A recording's rank processes are killed if they run longer than 10 minutes. The script needs
+neither CUDA nor cupy, and it never edits DeepSpeed's files: it applies two small patches at run
+time, in each rank's process, where DeepSpeed 0.19.6 cannot run on CPU as shipped:
 
 1. **Bit packing.** ``comm_backend_name='compressed'`` (the backend used here) packs signs with the
    ``PackbitsBuilder`` op, which exists only for Intel XPUs (on CPU DeepSpeed hands back a
@@ -43,14 +46,14 @@ call ``k + 1`` the batch of onebit's step ``k``. DeepSpeed switches to compressi
 ``F_ds`` (``state['step'] >= freeze_step``), i.e. after ``F_ds - 1`` warmup updates, so the
 recorded run uses ``freeze_step = F + 1`` in DeepSpeed for onebit's ``freeze_step = F``.
 
-**Padding and sizes.** In fp32 DeepSpeed compresses tensor by tensor, each padded to a multiple
-of ``n * lcm(n, 8)`` (16 at n = 2, 72 at n = 3), and the padded slots take part in the scale and
-accumulate error. onebit pads each tensor to a multiple of ``8 n`` (16 at n = 2, 24 at n = 3).
-The two agree exactly at n = 2 for any size, so the 2-rank model has odd sizes (2250, 50, 150, 3
-and 37 elements); at n = 3 they agree only for sizes that are multiples of 72 (neither pads), so
-the 3-rank model has only such tensors (2592, 72, 216 and 144 elements: no bias on the output
-layer). A 3-rank tensor of, say, 50 elements would be padded to 72 by DeepSpeed and 72 by onebit
-too, but one of 30 elements to 72 against 48: different scales, no exact match possible.
+**Padding and sizes.** In fp32 DeepSpeed's OnebitAdam compresses tensor by tensor, each padded to a
+multiple of ``n * lcm(n, 8)`` (16 at n = 2, 72 at n = 3), and the padded slots take part in the scale
+and accumulate error. onebit pads each tensor to a multiple of ``8 n`` (16 at n = 2, 24 at n = 3). The
+two agree exactly at n = 2 for any size, so the 2-rank model has odd sizes (2250, 50, 150, 3 and 37
+elements); at n = 3 they agree only for sizes that are multiples of 72 (neither pads), so the 3-rank
+model has only such tensors (2592, 72, 216 and 144 elements: no bias on the output layer). A 3-rank
+tensor of, say, 50 elements would be padded to 72 by DeepSpeed and 72 by onebit too, but one of 30
+elements to 72 against 48: different scales, no exact match possible.
 
 **The file** (``torch.save``, about 0.6 MB) holds: versions; the hyperparameters (onebit's
 ``freeze_step`` and DeepSpeed's); and for each world size ``n`` under ``runs[n]``: the model
@@ -62,7 +65,29 @@ DeepSpeed's calls ``2..steps+1``), ``backward_allreduce`` (the engine flag at ea
 steps: True in warmup), and ``max_rank_difference`` (max |p_r - p_0| over ranks and steps, which
 DeepSpeed keeps at 0).
 
-The model and data builders below import no DeepSpeed, so that the test can import them.
+**OnebitLamb** (``--optimizer lamb``; DeepSpeed's ``runtime/fp16/onebit/lamb.py``) has the same
+dry run, the same engine flag and the same ``freeze_step = F + 1``: the recorded flags are True
+for onebit's steps ``1..F`` and False from ``F + 1`` on (DeepSpeed's call ``F + 2``, its first
+compression call). Unlike OnebitAdam it compresses all momenta as one fused buffer (padded once,
+at its end, with a pad tail that is never cleared) with one worker scale, after multiplying each
+tensor's momentum by ``scaling_coeff = R / r_q`` (``r_q`` the tensor's momentum RMS at the
+switch, ``R`` their mean). Two cases per world size: ``single_tensor``, a
+:class:`SingleTensorModel` whose only parameter (72 x 36 = 2592 elements) is padded by neither
+library (a multiple of 16 and of 72), so that ``scaling_coeff`` is exactly 1 and the fused buffer
+is the tensor itself: the parity case. And ``several_tensors``, the OnebitAdam runs'
+:class:`ParityModel`, whose momenta DeepSpeed equalises with ``scaling_coeff`` and compresses with
+shared scales where onebit gives each tensor its own: recorded to measure that difference, not to
+match it. The LAMB file (about 1 MB) holds what the Adam file holds, with ``optimizer`` and the
+LAMB hyperparameters added and the runs under ``runs[case][n]`` (``single_tensor`` runs have no
+``extra_inputs``), and per run, for rank 0 after each step, DeepSpeed's per-tensor coefficients
+``[steps, tensors]`` (float64, columns in ``names`` order; the same on every rank): ``lamb_coeffs``
+(``get_lamb_coeffs()``: the coefficient applied at that step), ``lamb_coeff_freeze`` and
+``last_factor``; and ``scaling_coeff`` (``[tensors]``). The script refuses a run in which a
+warmup coefficient is exactly 1.0 (a zero norm, or a clamp landing on 1.0: DeepSpeed then skips
+the coefficient's moving average, onebit does not) and prints any warmup coefficient clamped to
+``min_coeff`` or ``max_coeff``.
+
+The model and data builders below import no DeepSpeed, so that the tests can import them.
 """
 
 from __future__ import annotations
@@ -72,19 +97,32 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "deepspeed_onebitadam.pt"
+DATA_DIR = Path(__file__).resolve().parent.parent / "tests" / "data"
+DEFAULT_OUT = DATA_DIR / "deepspeed_onebitadam.pt"
+DEFAULT_LAMB_OUT = DATA_DIR / "deepspeed_onebitlamb.pt"
 
 HYPERPARAMETERS = dict(lr=5e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=4, steps=12, batch=8)
+# OnebitLamb's own arguments (DeepSpeed's defaults; max_coeff/min_coeff per group, the rest optimizer-wide).
+LAMB_HYPERPARAMETERS = dict(HYPERPARAMETERS, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
+                            factor_min=0.5, factor_threshold=0.1)
+LAMB_ARGUMENTS = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
+RANK_TIMEOUT_S = 600  # hard limit on a recording's rank processes
 
 # Per world size: all tensor sizes need the same padding under DeepSpeed's and onebit's rules.
 SPECS = {
     2: dict(d_in=45, hidden=50, d_out=3, out_bias=True, extra=37),  # 2250, 50, 150, 3, 37
     3: dict(d_in=36, hidden=72, d_out=3, out_bias=False, extra=144),  # 2592, 72, 216, 144
+}
+# One weight matrix of 72 x 36 = 2592 elements: a multiple of 16 and of 72, padded by neither library.
+SINGLE_TENSOR_SPECS = {
+    2: dict(d_in=36, d_out=72),
+    3: dict(d_in=36, d_out=72),
 }
 MODEL_SEED = 1234
 DRY_RUN_STEP = 0  # the batch of DeepSpeed's discarded first call
@@ -103,30 +141,54 @@ class ParityModel(torch.nn.Module):
         return self.fc2(torch.tanh(self.fc1(x))) + (z @ self.extra)[:, None]
 
 
-def build_model(spec: dict) -> ParityModel:
+class SingleTensorModel(torch.nn.Module):
+    """``tanh(x @ W.T)``: one weight matrix (a Linear without bias), nothing else."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d_in, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+# The recorded cases: their model and, per world size, its keyword arguments. Adam records
+# "several_tensors" only (its file holds runs[n]); LAMB records both (runs[case][n]).
+CASES = {
+    "single_tensor": (SingleTensorModel, SINGLE_TENSOR_SPECS),
+    "several_tensors": (ParityModel, SPECS),
+}
+# The stacked data's keys, in make_batch's order (the model's inputs, then the target).
+DATA_KEYS = {SingleTensorModel: ("inputs", "targets"), ParityModel: ("inputs", "extra_inputs", "targets")}
+
+
+def build_model(spec: dict, model_class: type = ParityModel) -> torch.nn.Module:
     torch.manual_seed(MODEL_SEED)
-    return ParityModel(**spec)
+    return model_class(**spec)
 
 
-def make_batch(spec: dict, batch: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch of onebit-step ``step`` (``x``, ``z``, target)."""
+def make_batch(spec: dict, batch: int, rank: int, step: int) -> tuple[torch.Tensor, ...]:
+    """Rank ``rank``'s batch of onebit-step ``step``: the model's inputs (``x``, and ``z`` when the
+    spec has ``extra``), then the target."""
     gen = torch.Generator().manual_seed(7919 * step + 31 * rank + 5)
     x = torch.randn(batch, spec["d_in"], generator=gen)
-    z = torch.randn(batch, spec["extra"], generator=gen)
+    z = (torch.randn(batch, spec["extra"], generator=gen),) if "extra" in spec else ()
     y = torch.randn(batch, spec["d_out"], generator=gen)
-    return x, z, y
+    return (x, *z, y)
 
 
-def make_data(spec: dict, world_size: int, steps: int, batch: int) -> dict[str, torch.Tensor]:
+def make_data(spec: dict, world_size: int, steps: int, batch: int,
+              model_class: type = ParityModel) -> dict[str, torch.Tensor]:
     """Every rank's batches of onebit-steps ``1..steps``, stacked ``[steps, world_size, batch, ...]``."""
     batches = [[make_batch(spec, batch, r, t) for r in range(world_size)] for t in range(1, steps + 1)]
     stack = lambda i: torch.stack([torch.stack([b[i] for b in row]) for row in batches])  # noqa: E731
-    return {"inputs": stack(0), "extra_inputs": stack(1), "targets": stack(2)}
+    return {key: stack(i) for i, key in enumerate(DATA_KEYS[model_class])}
 
 
-def backward(model: ParityModel, x: torch.Tensor, z: torch.Tensor, y: torch.Tensor) -> None:
+def backward(model: torch.nn.Module, *batch: torch.Tensor) -> None:
+    """The gradient of the MSE loss of ``model(*inputs)`` against the target (``batch[-1]``)."""
     model.zero_grad(set_to_none=False)
-    torch.nn.functional.mse_loss(model(x, z), y).backward()
+    torch.nn.functional.mse_loss(model(*batch[:-1]), batch[-1]).backward()
 
 
 # ----------------------------------------------------------------- DeepSpeed side (its venv only)
@@ -173,7 +235,34 @@ def _patch_deepspeed() -> None:
     ds_comm.all_gather = all_gather_1d
 
 
-def _run_rank(rank: int, world_size: int, store: str, out_dir: str) -> None:
+def _make_optimizer(optimizer: str, params: list[torch.Tensor], engine: SimpleNamespace) -> torch.optim.Optimizer:
+    """DeepSpeed's optimizer, with ``freeze_step = F + 1`` for onebit's ``F`` (its dry-run call)."""
+    if optimizer == "adam":
+        from deepspeed.runtime.fp16.onebit.adam import OnebitAdam
+
+        h = HYPERPARAMETERS
+        return OnebitAdam(params, deepspeed=engine, lr=h["lr"], freeze_step=h["freeze_step"] + 1, betas=h["betas"],
+                          eps=h["eps"], weight_decay=h["weight_decay"], cuda_aware=False,
+                          comm_backend_name="compressed")
+    from deepspeed.runtime.fp16.onebit.lamb import OnebitLamb
+
+    h = LAMB_HYPERPARAMETERS
+    return OnebitLamb(params, deepspeed=engine, lr=h["lr"], freeze_step=h["freeze_step"] + 1, betas=h["betas"],
+                      eps=h["eps"], weight_decay=h["weight_decay"], cuda_aware=False, comm_backend_name="compressed",
+                      **{k: h[k] for k in LAMB_ARGUMENTS})
+
+
+def _lamb_statistics(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, list[float]]:
+    """OnebitLamb's per-tensor coefficients after a call (``scaling_coeff`` NaN until it exists)."""
+    return {
+        "lamb_coeffs": opt.get_lamb_coeffs(),
+        "lamb_coeff_freeze": [opt.state[p]["lamb_coeff_freeze"] for p in params],
+        "last_factor": [opt.state[p]["last_factor"] for p in params],
+        "scaling_coeff": [opt.state[p].get("scaling_coeff", float("nan")) for p in params],
+    }
+
+
+def _run_rank(rank: int, world_size: int, store: str, out_dir: str, optimizer: str, case: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -183,80 +272,147 @@ def _run_rank(rank: int, world_size: int, store: str, out_dir: str) -> None:
     try:
         import deepspeed
         import deepspeed.comm as ds_comm
-        from deepspeed.runtime.fp16.onebit.adam import OnebitAdam
 
         ds_comm.init_distributed(dist_backend="gloo")  # wraps the process group made above
         _patch_deepspeed()
-        h, spec = HYPERPARAMETERS, SPECS[world_size]
-        model = build_model(spec)
+        h = HYPERPARAMETERS if optimizer == "adam" else LAMB_HYPERPARAMETERS
+        model_class, specs = CASES[case]
+        spec = specs[world_size]
+        model = build_model(spec, model_class)
+        params = list(model.parameters())
         engine = SimpleNamespace(mpu=None, local_rank=rank, enable_backward_allreduce=True)
-        opt = OnebitAdam(list(model.parameters()), deepspeed=engine, lr=h["lr"], freeze_step=h["freeze_step"] + 1,
-                         betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"], cuda_aware=False,
-                         comm_backend_name="compressed")
-        snapshots, flags = [], []
+        opt = _make_optimizer(optimizer, params, engine)
+        snapshots, flags, statistics = [], [], []
         for call in range(1, h["steps"] + 2):
             step = DRY_RUN_STEP if call == 1 else call - 1
             backward(model, *make_batch(spec, h["batch"], rank, step))
             flag = engine.enable_backward_allreduce
             if flag:  # the engine's default gradient averaging: SUM, then scale by 1/n
-                for p in model.parameters():
+                for p in params:
                     dist.all_reduce(p.grad)
                     p.grad.mul_(1.0 / world_size)
             opt.step()
             if call > 1:
                 snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
                 flags.append(flag)
-        torch.save({"snapshots": snapshots, "flags": flags, "deepspeed": deepspeed.__version__},
-                   Path(out_dir) / f"rank{rank}.pt")
+                if optimizer == "lamb":
+                    statistics.append(_lamb_statistics(opt, params))
+        torch.save({"snapshots": snapshots, "flags": flags, "statistics": statistics,
+                    "deepspeed": deepspeed.__version__}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def record(world_size: int) -> dict:
+def _spawn(world_size: int, store: str, out_dir: str, optimizer: str, case: str) -> None:
+    """The ranks, each killed if all have not finished within ``RANK_TIMEOUT_S``."""
     import torch.multiprocessing as mp
 
-    h, spec = HYPERPARAMETERS, SPECS[world_size]
+    context = mp.start_processes(_run_rank, args=(world_size, store, out_dir, optimizer, case), nprocs=world_size,
+                                 start_method="spawn", join=False)
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{optimizer} {case} n={world_size}: ranks still running after {RANK_TIMEOUT_S} s")
+
+
+def record(world_size: int, optimizer: str = "adam", case: str = "several_tensors") -> dict:
+    h = HYPERPARAMETERS if optimizer == "adam" else LAMB_HYPERPARAMETERS
+    model_class, specs = CASES[case]
+    spec = specs[world_size]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_run_rank, args=(world_size, str(Path(tmp) / "store"), tmp), nprocs=world_size,
-                           start_method="spawn")
+        _spawn(world_size, str(Path(tmp) / "store"), tmp, optimizer, case)
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
-    model = build_model(spec)
+    model = build_model(spec, model_class)
     names = [name for name, _ in model.named_parameters()]
     snapshots = ranks[0]["snapshots"]
     difference = max(float((r["snapshots"][t][k] - snapshots[t][k]).abs().max())
                      for r in ranks for t in range(h["steps"]) for k in names)
-    return {
+    run = {
         "deepspeed": ranks[0]["deepspeed"],
         "spec": dict(spec),
         "names": names,
         "initial": {name: p.detach().clone() for name, p in model.named_parameters()},
-        **make_data(spec, world_size, h["steps"], h["batch"]),
+        **make_data(spec, world_size, h["steps"], h["batch"], model_class),
         "trajectory": {k: torch.stack([s[k] for s in snapshots]) for k in names},
         "backward_allreduce": ranks[0]["flags"],
         "max_rank_difference": difference,
     }
+    if optimizer == "lamb":
+        per_rank = [{key: torch.tensor([s[key] for s in r["statistics"]], dtype=torch.float64)
+                     for key in ("lamb_coeffs", "lamb_coeff_freeze", "last_factor", "scaling_coeff")} for r in ranks]
+        for r, statistics in enumerate(per_rank[1:], 1):  # the coefficients too are the same on every rank
+            for key, value in statistics.items():
+                if not torch.allclose(value, per_rank[0][key], rtol=0, atol=0, equal_nan=True):
+                    raise RuntimeError(f"{case} n={world_size}: rank {r}'s {key} differs from rank 0's")
+        run.update({key: per_rank[0][key] for key in ("lamb_coeffs", "lamb_coeff_freeze", "last_factor")})
+        run["scaling_coeff"] = per_rank[0]["scaling_coeff"][-1]
+    return run
+
+
+def _check_lamb(case: str, n: int, run: dict) -> None:
+    """Refuse a warmup coefficient of exactly 1.0 (it skips DeepSpeed's moving average); note clamps."""
+    h = LAMB_HYPERPARAMETERS
+    warmup = run["lamb_coeffs"][:h["freeze_step"]]
+    if (warmup == 1.0).any():
+        raise RuntimeError(f"{case} n={n}: a warmup lamb coefficient is exactly 1.0 (a zero norm or a clamp "
+                           f"landing on 1.0); DeepSpeed then skips its moving average and onebit does not:\n{warmup}")
+    clamped = ((warmup == h["min_coeff"]) | (warmup == h["max_coeff"])).nonzero().tolist()
+    if clamped:
+        print(f"{case} n={n}: warmup coefficients clamped to min_coeff/max_coeff at (step - 1, tensor) {clamped}")
+
+
+def _summary(n: int, run: dict) -> str:
+    return (f"n={n}: {sum(p.numel() for p in run['initial'].values())} parameters "
+            f"{[p.numel() for p in run['initial'].values()]}, warmup flags {run['backward_allreduce']}, "
+            f"max rank difference {run['max_rank_difference']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--optimizer", choices=("adam", "lamb"), default="adam")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"default: {DEFAULT_OUT} (adam), {DEFAULT_LAMB_OUT} (lamb)")
     args = parser.parse_args(argv)
-    h = HYPERPARAMETERS
-    runs = {n: record(n) for n in SPECS}
-    result = {
-        "format": 1,
-        "deepspeed_version": runs[2]["deepspeed"],
-        "torch_version": torch.__version__,
-        "hyperparameters": {**h, "deepspeed_freeze_step": h["freeze_step"] + 1, "bias_correction": False},
-        "runs": {n: {k: v for k, v in run.items() if k != "deepspeed"} for n, run in runs.items()},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(result, args.out)
-    for n, run in runs.items():
-        print(f"n={n}: {sum(p.numel() for p in run['initial'].values())} parameters "
-              f"{[p.numel() for p in run['initial'].values()]}, warmup flags {run['backward_allreduce']}, "
-              f"max rank difference {run['max_rank_difference']}")
-    print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
+    if args.optimizer == "adam":
+        out = args.out or DEFAULT_OUT
+        h = HYPERPARAMETERS
+        runs = {n: record(n) for n in SPECS}
+        result = {
+            "format": 1,
+            "deepspeed_version": runs[2]["deepspeed"],
+            "torch_version": torch.__version__,
+            "hyperparameters": {**h, "deepspeed_freeze_step": h["freeze_step"] + 1, "bias_correction": False},
+            "runs": {n: {k: v for k, v in run.items() if k != "deepspeed"} for n, run in runs.items()},
+        }
+        for n, run in runs.items():
+            print(_summary(n, run))
+    else:
+        out = args.out or DEFAULT_LAMB_OUT
+        h = LAMB_HYPERPARAMETERS
+        runs = {case: {n: record(n, "lamb", case) for n in specs} for case, (_, specs) in CASES.items()}
+        for case, by_n in runs.items():
+            for n, run in by_n.items():
+                _check_lamb(case, n, run)
+        result = {
+            "format": 1,
+            "optimizer": "OnebitLamb",
+            "deepspeed_version": runs["single_tensor"][2]["deepspeed"],
+            "torch_version": torch.__version__,
+            "hyperparameters": {**h, "deepspeed_freeze_step": h["freeze_step"] + 1, "bias_correction": False},
+            "runs": {case: {n: {k: v for k, v in run.items() if k != "deepspeed"} for n, run in by_n.items()}
+                     for case, by_n in runs.items()},
+        }
+        for case, by_n in runs.items():
+            for n, run in by_n.items():
+                print(f"{case} {_summary(n, run)}; scaling_coeff {run['scaling_coeff'].tolist()}")
+                for key in ("lamb_coeffs", "lamb_coeff_freeze", "last_factor"):
+                    print(f"  {key} per step (rows) and tensor:\n{run[key].numpy()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out)
+    print(f"wrote {out} ({out.stat().st_size} bytes)")
     return 0
 
 

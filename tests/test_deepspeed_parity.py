@@ -22,20 +22,18 @@ simulation with per-tensor scales is within it.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from deepspeed_replay import DATA_DIR, backward, by_phase, load_model, reference_script, relative_differences
 from distributed import run_ranks
 from onebit import OnebitAdam
 from onebit.testing import simulate_compressed_allreduce
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "tests" / "data" / "deepspeed_onebitadam.pt"
+DATA = DATA_DIR / "deepspeed_onebitadam.pt"
 # max |p - p_ds| / max |p_ds|, per tensor, at every step. Both sides round differently at every
 # step (p - lr * u fused or not, the scale's sum of squares in float64 or float32, gloo's sum
 # order), a few float32 ulps (1.2e-7 each, relative) over 12 steps: measured 2e-7 .. 9e-7. Any
@@ -44,32 +42,13 @@ TOLERANCE = 2e-6
 DEFAULT_BUCKET = "default"
 
 
-def _reference_module():
-    spec = importlib.util.spec_from_file_location("deepspeed_reference", ROOT / "scripts" / "deepspeed_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 REFERENCE = torch.load(DATA, weights_only=False)
 HYPER = REFERENCE["hyperparameters"]
-ParityModel = _reference_module().ParityModel
+ParityModel = reference_script().ParityModel
 
 
 def _model(run: dict) -> torch.nn.Module:
-    model = ParityModel(**run["spec"])
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(run["initial"][name])
-    assert [name for name, _ in model.named_parameters()] == run["names"]
-    return model
-
-
-def _backward(model: torch.nn.Module, run: dict, step: int, rank: int) -> None:
-    """Rank ``rank``'s gradient of onebit-step ``step`` (1-based) at the model's parameters."""
-    model.zero_grad(set_to_none=False)
-    x, z, y = (run[key][step - 1, rank] for key in ("inputs", "extra_inputs", "targets"))
-    torch.nn.functional.mse_loss(model(x, z), y).backward()
+    return load_model(ParityModel, run)
 
 
 def _train_rank(rank: int, world_size: int, bucket_size, group) -> dict:
@@ -81,7 +60,7 @@ def _train_rank(rank: int, world_size: int, bucket_size, group) -> dict:
                      **kwargs)
     snapshots = []
     for t in range(1, HYPER["steps"] + 1):
-        _backward(model, run, t, rank)
+        backward(model, run, t, rank)
         opt.step()
         snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
     trajectory = {name: torch.stack([s[name] for s in snapshots]) for name in run["names"]}
@@ -99,17 +78,8 @@ def _train_all(rank: int, world_size: int) -> dict:
     return results
 
 
-def relative_differences(trajectory: dict, reference: dict) -> list[float]:
-    """Per step: the largest, over tensors, of ``max |p - p_ds| / max |p_ds|``."""
-    steps = next(iter(reference.values())).shape[0]
-    return [max(float((trajectory[k][t] - reference[k][t]).abs().max() / reference[k][t].abs().max())
-                for k in reference) for t in range(steps)]
-
-
 def _by_phase(differences: list[float]) -> str:
-    f = HYPER["freeze_step"]
-    return (f"warmup (steps 1..{f}) max {max(differences[:f]):.3g}, compression (steps {f + 1}..{len(differences)}) "
-            f"max {max(differences[f:]):.3g}; per step {[f'{d:.2g}' for d in differences]}")
+    return by_phase(differences, HYPER["freeze_step"])
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +137,7 @@ def simulate(world_size: int, *, shared_scale: bool = False, freeze_step: int | 
     for t in range(1, HYPER["steps"] + 1):
         grads = []
         for rank in range(world_size):
-            _backward(model, run, t, rank)
+            backward(model, run, t, rank)
             grads.append([p.grad.clone() for p in params])
         if t <= freeze_step:
             for i in range(len(params)):
