@@ -271,6 +271,47 @@ def test_compare_marks_a_diverged_run_and_exits_non_zero(tmp_path, monkeypatch, 
     assert bert_compare.exit_status(comparison) == 0 and "DIVERGED" not in capsys.readouterr().out
 
 
+def test_compare_optimizer_lamb_runs_lamb_and_onebit_lamb(tmp_path, monkeypatch, capsys):
+    """``--optimizer lamb``: the two OnebitLamb configs (only freeze_step differs), LAMB's run
+    names, labels and ratio line; the Adam comparison stays the default."""
+    from onebit.config import load_config, optimizer_kwargs
+    from onebit.lamb import OnebitLamb
+
+    launched = []
+
+    def fake_launch(script_args, world_size, log_dir, **kwargs):
+        launched.append(script_args)
+        run_dir = Path(script_args[script_args.index("--out") + 1])
+        _fake_run(run_dir, 10, 5.2 if run_dir.name == "lamb" else 5.25, "finished")
+
+    monkeypatch.setattr(bert_compare, "launch", fake_launch)
+    comparison = bert_compare.main(["--optimizer", "lamb", "--steps", "10", "--out", str(tmp_path), "--quiet"])
+    assert bert_compare.exit_status(comparison) == 0 and comparison["failed_runs"] == []
+    configs = [Path(args[args.index("--config") + 1]).name for args in launched]
+    assert configs == ["lamb.json", "onebit_lamb_gloo.json"]
+    assert "--freeze-step" not in launched[0] and launched[1][launched[1].index("--freeze-step") + 1] == "2"
+    assert [Path(args[args.index("--out") + 1]).name for args in launched] == ["lamb", "onebit_lamb"]
+    assert comparison["val_loss_ratio"] == pytest.approx(5.25 / 5.2)
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0]: line for line in out.splitlines()}
+    assert rows["LAMB"].endswith("ok") and rows["1-bit LAMB"].endswith("ok") and "Adam" not in out
+    assert "val loss ratio 1-bit/LAMB: 1.0096" in out and "than LAMB's" in out
+    saved = json.loads((tmp_path / "comparison.json").read_text())
+    assert {"lamb", "onebit_lamb"} <= saved.keys() and not {"adam", "onebit"} & saved.keys()
+    assert (tmp_path / "comparison.png").stat().st_size > 0
+
+    # Both configs build OnebitLamb with the same settings but freeze_step (1e9: never leaves warmup).
+    (cls, full, _), (cls_1bit, onebit, _) = (optimizer_kwargs(load_config(EXAMPLE / "configs" / name))
+                                             for name in configs)
+    assert cls is cls_1bit is OnebitLamb
+    assert full.pop("freeze_step") >= 10**9 and onebit.pop("freeze_step") < 10**9 and full == onebit
+
+    launched.clear()
+    bert_compare.main(["--steps", "10", "--out", str(tmp_path / "adam"), "--quiet"])  # the default
+    assert [Path(args[args.index("--config") + 1]).name for args in launched] == ["adam.json", "onebit_gloo.json"]
+    assert "val loss ratio 1-bit/Adam" in capsys.readouterr().out
+
+
 def test_run_status_trusts_no_non_finite_final_loss():
     assert bert_compare.run_status({"final_val_loss": 5.0, "status": "finished"}) == ("finished", None)
     assert bert_compare.run_status({"final_val_loss": 5.0}) == ("finished", None)  # a summary from before `status`

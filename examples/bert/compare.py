@@ -1,11 +1,14 @@
-"""Adam vs 1-bit Adam on the same BERT pretraining run: same seed, data, schedule and initial weights.
+"""Adam vs 1-bit Adam, or LAMB vs 1-bit LAMB, on the same BERT run: same seed, data, schedule and initial weights.
 
     python examples/bert/compare.py --steps 600 --out runs/demo --world-size 2
+    python examples/bert/compare.py --optimizer lamb --steps 600 --out runs/lamb --world-size 2
 
 Launches ``pretrain.py`` twice on ``--world-size`` local ranks (gloo by default; ``--launcher mpi``
 uses ``mpiexec``): once with ``configs/adam.json`` (OnebitAdam with a ``freeze_step`` beyond the
 last step, i.e. plain Adam with a full-precision gradient all-reduce every step) and once with
-``configs/onebit_gloo.json`` and ``freeze_step`` = ``--freeze-fraction`` (20%) of the steps. Writes
+``configs/onebit_gloo.json`` and ``freeze_step`` = ``--freeze-fraction`` (20%) of the steps.
+``--optimizer lamb`` does the same with OnebitLamb: ``configs/lamb.json`` (``freeze_step`` beyond
+the last step: plain LAMB) against ``configs/onebit_lamb_gloo.json``. Writes
 ``OUT/comparison.json``, ``OUT/comparison.png`` (train and validation loss of both, and bytes sent)
 and prints a table. Any other arguments are passed on to ``pretrain.py`` (e.g. ``--model mini``).
 
@@ -31,7 +34,25 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PRETRAIN = HERE / "pretrain.py"
-RUNS = ("adam", "onebit")
+#: ``--optimizer`` -> (the full-precision run, the 1-bit run): the names of their directories
+#: under ``--out`` and of their entries in ``comparison.json``.
+COMPARISONS = {"adam": ("adam", "onebit"), "lamb": ("lamb", "onebit_lamb")}
+#: Each run's config (in ``configs/``; the 1-bit one's ``freeze_step`` is overridden), label and plot colour.
+RUN_SPECS = {
+    "adam": {"config": "adam.json", "label": "Adam", "color": "tab:blue"},
+    "onebit": {"config": "onebit_gloo.json", "label": "1-bit Adam", "color": "tab:orange"},
+    "lamb": {"config": "lamb.json", "label": "LAMB", "color": "tab:green"},
+    "onebit_lamb": {"config": "onebit_lamb_gloo.json", "label": "1-bit LAMB", "color": "tab:red"},
+}
+RUNS = COMPARISONS["adam"]
+
+
+def runs_of(comparison: dict) -> tuple[str, str]:
+    """(full-precision run, 1-bit run) of a ``comparison`` (Adam's or LAMB's, by its entries)."""
+    for runs in COMPARISONS.values():
+        if runs[0] in comparison:
+            return runs
+    raise KeyError(f"no run of {sorted(COMPARISONS)} in the comparison (keys: {sorted(comparison)})")
 
 
 def _free_port() -> int:
@@ -152,8 +173,8 @@ def plot(results: dict[str, list[dict]], freeze_step: int, path: Path, status: d
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"adam": "tab:blue", "onebit": "tab:orange"}
-    labels = {"adam": "Adam", "onebit": "1-bit Adam"}
+    colors = {name: spec["color"] for name, spec in RUN_SPECS.items()}
+    labels = {name: spec["label"] for name, spec in RUN_SPECS.items()}
     for name, state in (status or {}).items():
         if state != "finished":
             labels[name] = f"{labels[name]} ({state.upper()})"
@@ -192,17 +213,17 @@ def plot(results: dict[str, list[dict]], freeze_step: int, path: Path, status: d
 
 def failed_runs(comparison: dict) -> list[str]:
     """The runs of ``comparison`` that did not finish normally (diverged or stopped)."""
-    return [name for name in RUNS if comparison[name].get("status", "finished") != "finished"]
+    return [name for name in runs_of(comparison) if comparison[name].get("status", "finished") != "finished"]
 
 
 def _label(name: str) -> str:
-    return "Adam" if name == "adam" else "1-bit Adam"
+    return RUN_SPECS[name]["label"]
 
 
 def table(comparison: dict) -> str:
     rows = [("", "final val loss", "MiB sent/rank", "KiB/step warmup", "KiB/step compression", "wall s", "skipped",
              "status")]
-    for name in RUNS:
+    for name in runs_of(comparison):
         r = comparison[name]
         per = r["bytes_per_step"]
         rows.append((
@@ -219,8 +240,9 @@ def table(comparison: dict) -> str:
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     ratio = comparison["compression_bytes_ratio"]
-    per_step = "no compression step ran" if ratio is None else f"{ratio:.1f}x fewer bytes per compression step than Adam's"
-    lines.append(f"val loss ratio 1-bit/Adam: {comparison['val_loss_ratio']:.4f}; {per_step}; "
+    full = _label(runs_of(comparison)[0])
+    per_step = "no compression step ran" if ratio is None else f"{ratio:.1f}x fewer bytes per compression step than {full}'s"
+    lines.append(f"val loss ratio 1-bit/{full}: {comparison['val_loss_ratio']:.4f}; {per_step}; "
                  f"whole run: {comparison['total_bytes_ratio']:.1f}x fewer")
     failed = failed_runs(comparison)
     for name in failed:
@@ -237,7 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--out", required=True, help="directory for both runs, comparison.json and comparison.png")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--freeze-fraction", type=float, default=0.2, help="1-bit Adam's freeze_step as a fraction of --steps")
+    p.add_argument("--optimizer", choices=sorted(COMPARISONS), default="adam",
+                   help="adam: Adam vs 1-bit Adam (OnebitAdam); lamb: LAMB vs 1-bit LAMB (OnebitLamb)")
+    p.add_argument("--freeze-fraction", type=float, default=0.2,
+                   help="the 1-bit run's freeze_step as a fraction of --steps")
     p.add_argument("--launcher", choices=["torch", "mpi"], default="torch")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run before its ranks are killed")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -247,28 +272,30 @@ def main(argv: list[str] | None = None) -> dict:
     common = ["--steps", str(args.steps), *passthrough]
     if args.quiet:
         common.append("--no-progress")
-    configs = {"adam": ["--config", str(HERE / "configs" / "adam.json")],
-               "onebit": ["--config", str(HERE / "configs" / "onebit_gloo.json"), "--freeze-step", str(freeze_step)]}
+    runs = full, compressed_run = COMPARISONS[args.optimizer]
+    configs = {full: ["--config", str(HERE / "configs" / RUN_SPECS[full]["config"])],
+               compressed_run: ["--config", str(HERE / "configs" / RUN_SPECS[compressed_run]["config"]),
+                                "--freeze-step", str(freeze_step)]}
     if args.launcher == "mpi":
         configs = {name: [*cfg, "--comm-backend", "mpi"] for name, cfg in configs.items()}
-    for name in RUNS:
+    for name in runs:
         run_dir = out / name
         launch([*configs[name], "--out", str(run_dir), *common], args.world_size, run_dir,
                launcher=args.launcher, timeout=args.timeout, quiet=args.quiet)
-    comparison = {name: summarize(out / name) for name in RUNS}
-    adam, onebit = comparison["adam"], comparison["onebit"]
-    comparison["val_loss_ratio"] = (onebit["final_val_loss"] / adam["final_val_loss"]
-                                    if adam["final_val_loss"] else math.nan)
+    comparison = {name: summarize(out / name) for name in runs}
+    reference, onebit = comparison[full], comparison[compressed_run]
+    comparison["val_loss_ratio"] = (onebit["final_val_loss"] / reference["final_val_loss"]
+                                    if reference["final_val_loss"] else math.nan)
     compressed = onebit["bytes_per_step"]["compression"]
-    comparison["compression_bytes_ratio"] = adam["bytes_per_step"]["warmup"] / compressed if compressed else None
-    comparison["total_bytes_ratio"] = adam["bytes_sent"] / onebit["bytes_sent"]
+    comparison["compression_bytes_ratio"] = reference["bytes_per_step"]["warmup"] / compressed if compressed else None
+    comparison["total_bytes_ratio"] = reference["bytes_sent"] / onebit["bytes_sent"]
     comparison["world_size"] = args.world_size
     comparison["failed_runs"] = failed_runs(comparison)
     (out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n")
-    limits = [json.loads((out / name / "summary.json").read_text()).get("val_loss_limit") for name in RUNS]
+    limits = [json.loads((out / name / "summary.json").read_text()).get("val_loss_limit") for name in runs]
     limits = [x for x in limits if x is not None]
-    plot({name: read_metrics(out / name) for name in RUNS}, freeze_step, out / "comparison.png",
-         status={name: comparison[name]["status"] for name in RUNS}, y_max=max(limits) if limits else None)
+    plot({name: read_metrics(out / name) for name in runs}, freeze_step, out / "comparison.png",
+         status={name: comparison[name]["status"] for name in runs}, y_max=max(limits) if limits else None)
     print(table(comparison))
     print(f"plot: {out / 'comparison.png'}   numbers: {out / 'comparison.json'}")
     if comparison["failed_runs"]:

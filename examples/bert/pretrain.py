@@ -1,10 +1,11 @@
-"""Masked-language-model pretraining of a small BERT with 1-bit Adam, data-parallel, one process per rank.
+"""Masked-language-model pretraining of a small BERT with 1-bit Adam or LAMB, data-parallel, one process per rank.
 
     torchrun --nproc-per-node 2 examples/bert/pretrain.py --config examples/bert/configs/onebit_gloo.json --out runs/onebit
     mpiexec -n 2 python -m mpi4py examples/bert/pretrain.py --config examples/bert/configs/onebit_mpi.json --out runs/mpi
 
 The optimizer and its transport come from a DeepSpeed-style JSON config (``onebit.from_config``).
-The model is *not* wrapped in DDP: ``OnebitAdam`` all-reduces the gradients itself during warmup
+The model is *not* wrapped in DDP: ``OnebitAdam`` (or ``OnebitLamb``, with
+``configs/onebit_lamb_gloo.json``) all-reduces the gradients itself during warmup
 and, after ``freeze_step``, averages compressed momenta instead of gradients, so each rank only runs
 backward on its own shard and calls ``optimizer.step()``.
 
@@ -60,7 +61,7 @@ RESUME_KEYS = ("corpus", "limit_chars", "vocab_size", "seq_len", "model", "batch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=str(HERE / "configs" / "onebit_gloo.json"),
-                   help="DeepSpeed-style JSON/YAML config with an 'optimizer' section (OneBitAdam)")
+                   help="DeepSpeed-style JSON/YAML config with an 'optimizer' section (OneBitAdam or OneBitLamb)")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, checkpoint.pt, summary.json")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the learning-rate schedule spans them)")
     p.add_argument("--freeze-step", type=int, default=None, help="override the config's freeze_step")
