@@ -1,4 +1,4 @@
-"""Record DeepSpeed 0.19.6's own OnebitAdam and OnebitLamb trajectories, for the parity tests.
+"""Record DeepSpeed 0.19.6's own OnebitAdam, OnebitLamb and ZeroOneAdam trajectories, for the parity tests.
 
 DeepSpeed removed its 1-bit optimizers after 0.19.6, and onebit claims to compute what DeepSpeed's
 ``OnebitAdam`` and ``OnebitLamb`` computed. This script runs DeepSpeed's optimizer itself (not a
@@ -13,6 +13,7 @@ Install DeepSpeed in a venv of its own, outside the repository (onebit does not 
     DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install numpy deepspeed==0.19.6
     /tmp/dsvenv/bin/python scripts/deepspeed_reference.py     # writes tests/data/deepspeed_onebitadam.pt
     /tmp/dsvenv/bin/python scripts/deepspeed_reference.py --optimizer lamb   # ... deepspeed_onebitlamb.pt
+    /tmp/dsvenv/bin/python scripts/deepspeed_reference.py --optimizer zoadam # ... deepspeed_zerooneadam.pt
 
 (``--out PATH`` writes elsewhere.) The first run JIT-builds DeepSpeed's CPU shared-memory comm op (a
 few minutes; cached under ~/.cache/torch_extensions), later runs take about a minute, and the file
@@ -87,6 +88,35 @@ warmup coefficient is exactly 1.0 (a zero norm, or a clamp landing on 1.0: DeepS
 the coefficient's moving average, onebit does not) and prints any warmup coefficient clamped to
 ``min_coeff`` or ``max_coeff``.
 
+**ZeroOneAdam** (``--optimizer zoadam``; DeepSpeed's ``runtime/fp16/onebit/zoadam.py``, 0/1 Adam) has
+the same dry run (call ``k`` does onebit's step ``k - 1``) but no single switch: in its phase A (calls
+``2 .. T_v + 1``, i.e. onebit's steps ``1 .. T_v`` for ``var_freeze_step = T_v``: no ``+ 1`` here,
+DeepSpeed tests ``step > T_v``) it sets the engine flag after every call, True when the *next* call
+updates the variance (``(t + 1) % var_interval == 0``, ``t`` the call index); the driver reads the flag
+before each call and averages that call's gradients only when it is True. The other phase-A calls
+compress each rank's local gradient (one compressed all-reduce per tensor, in fp32). In phase B (calls
+``>= T_v + 2``) the flag stays False, the ranks take local steps, and every ``local_step_interval``
+calls (``t % H == 0``) they sync the lr-weighted sum of their updates with one compressed all-reduce;
+their parameters differ between syncs. All schedule tests use DeepSpeed's call index ``t = s + 1``
+for onebit's step ``s``. One case: ``single_tensor``, a :class:`SingleTensorModel` of 16 x 36 = 576
+elements (a multiple of 16, 24 and 72: padded by neither library at n = 2 and 3), on 1, 2 and 3 ranks
+(at n = 1 DeepSpeed runs with no communication at all and, on phase-A steps that do not update the
+variance, ignores the gradient: its defect Q2, recorded here by data). The file (about 0.6 MB) holds,
+with ``optimizer``, the hyperparameters (DeepSpeed's own arguments, ``steps`` and ``batch``) and the
+versions, under ``runs[n]``: ``spec``, ``names``, ``initial``, ``inputs`` / ``targets`` as above;
+``trajectories`` (``{name: [n, steps, *shape]}``: every rank's parameters after onebit-step ``1..steps``,
+so ``trajectories[name][r]`` is rank ``r``'s trajectory); ``backward_allreduce`` (``[steps]`` bool: the
+flag each call's gradients were averaged under, the same on every rank); ``kinds`` (``[steps]`` str,
+onebit's numbering: ``"variance"`` (v and m updated with the averaged gradient), ``"onebit_gradient"``
+(m updated with the compressed mean of the local gradients; at n = 1 not updated at all), ``"local"``,
+``"sync"``), derived in each rank from DeepSpeed's state before the call, exactly as its ``step()``
+decides (``freeze_key``, ``step + 1`` modulo ``var_interval`` or ``local_step_interval``), and checked
+equal on every rank; per rank and step (``[n, steps]``), DeepSpeed's schedule state after the call:
+``var_interval``, ``var_counter``, ``local_step_interval``, ``local_step_counter`` (int64), ``lrs``
+(float64), and whether the call changed ``exp_avg_sq`` and ``exp_avg`` (``v_changed``, ``m_changed``,
+bool); and ``max_rank_difference`` (``[steps]`` float64: max over ranks and elements of
+``|p_r - p_0|``, divided by ``max |p_0|``; 0 in phase A, small right after a sync).
+
 The model and data builders below import no DeepSpeed, so that the tests can import them.
 """
 
@@ -106,12 +136,20 @@ import torch
 DATA_DIR = Path(__file__).resolve().parent.parent / "tests" / "data"
 DEFAULT_OUT = DATA_DIR / "deepspeed_onebitadam.pt"
 DEFAULT_LAMB_OUT = DATA_DIR / "deepspeed_onebitlamb.pt"
+DEFAULT_ZOADAM_OUT = DATA_DIR / "deepspeed_zerooneadam.pt"
 
 HYPERPARAMETERS = dict(lr=5e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, freeze_step=4, steps=12, batch=8)
 # OnebitLamb's own arguments (DeepSpeed's defaults; max_coeff/min_coeff per group, the rest optimizer-wide).
 LAMB_HYPERPARAMETERS = dict(HYPERPARAMETERS, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                             factor_min=0.5, factor_threshold=0.1)
 LAMB_ARGUMENTS = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
+# ZeroOneAdam's: DeepSpeed's own arguments (no dry-run shift: phase A is onebit's steps 1..var_freeze_step).
+# Small schedule settings so that 24 steps hold every kind of step: v updates at calls 2, 3, 4, 6, 8, 12,
+# 1-bit gradient steps at calls 5, 7, 9, 10, 11, 13, syncs at calls 14, 15, 16, 18, 20, 24.
+ZOADAM_HYPERPARAMETERS = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, var_freeze_step=12,
+                              var_update_scaler=2, local_step_scaler=3, local_step_clipper=4, steps=24, batch=8)
+ZOADAM_ARGUMENTS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
+ZOADAM_SCHEDULE_KEYS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter", "lrs")
 RANK_TIMEOUT_S = 600  # hard limit on a recording's rank processes
 
 # Per world size: all tensor sizes need the same padding under DeepSpeed's and onebit's rules.
@@ -124,6 +162,8 @@ SINGLE_TENSOR_SPECS = {
     2: dict(d_in=36, d_out=72),
     3: dict(d_in=36, d_out=72),
 }
+# ZeroOneAdam's single tensor: 16 x 36 = 576 elements, a multiple of 16, 24 and 72 (no padding at n = 2, 3).
+ZOADAM_SPECS = {n: dict(d_in=36, d_out=16) for n in (1, 2, 3)}
 MODEL_SEED = 1234
 DRY_RUN_STEP = 0  # the batch of DeepSpeed's discarded first call
 
@@ -158,8 +198,18 @@ CASES = {
     "single_tensor": (SingleTensorModel, SINGLE_TENSOR_SPECS),
     "several_tensors": (ParityModel, SPECS),
 }
+
 # The stacked data's keys, in make_batch's order (the model's inputs, then the target).
 DATA_KEYS = {SingleTensorModel: ("inputs", "targets"), ParityModel: ("inputs", "extra_inputs", "targets")}
+
+
+def _case(optimizer: str, case: str) -> tuple[type, dict]:
+    """The model class and per-world-size specs of ``optimizer``'s ``case``."""
+    return (SingleTensorModel, ZOADAM_SPECS) if optimizer == "zoadam" else CASES[case]
+
+
+def _hyperparameters(optimizer: str) -> dict:
+    return {"adam": HYPERPARAMETERS, "lamb": LAMB_HYPERPARAMETERS, "zoadam": ZOADAM_HYPERPARAMETERS}[optimizer]
 
 
 def build_model(spec: dict, model_class: type = ParityModel) -> torch.nn.Module:
@@ -236,7 +286,15 @@ def _patch_deepspeed() -> None:
 
 
 def _make_optimizer(optimizer: str, params: list[torch.Tensor], engine: SimpleNamespace) -> torch.optim.Optimizer:
-    """DeepSpeed's optimizer, with ``freeze_step = F + 1`` for onebit's ``F`` (its dry-run call)."""
+    """DeepSpeed's optimizer, with ``freeze_step = F + 1`` for onebit's ``F`` (its dry-run call); ZeroOneAdam
+    with its arguments as they are."""
+    if optimizer == "zoadam":
+        from deepspeed.runtime.fp16.onebit.zoadam import ZeroOneAdam
+
+        h = ZOADAM_HYPERPARAMETERS
+        return ZeroOneAdam(params, deepspeed=engine, lr=h["lr"], betas=h["betas"], eps=h["eps"],
+                           weight_decay=h["weight_decay"], cuda_aware=False, comm_backend_name="compressed",
+                           **{k: h[k] for k in ZOADAM_ARGUMENTS})
     if optimizer == "adam":
         from deepspeed.runtime.fp16.onebit.adam import OnebitAdam
 
@@ -262,6 +320,15 @@ def _lamb_statistics(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> 
     }
 
 
+def _zoadam_kind(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> str:
+    """The kind of ZeroOneAdam's coming call, decided as its ``step()`` decides, from its state now."""
+    state = opt.state[params[0]]
+    t = state["step"] + 1
+    if not opt.freeze_key:
+        return "variance" if t % state["var_interval"] == 0 else "onebit_gradient"
+    return "sync" if t % state["local_step_interval"] == 0 else "local"
+
+
 def _run_rank(rank: int, world_size: int, store: str, out_dir: str, optimizer: str, case: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -275,8 +342,8 @@ def _run_rank(rank: int, world_size: int, store: str, out_dir: str, optimizer: s
 
         ds_comm.init_distributed(dist_backend="gloo")  # wraps the process group made above
         _patch_deepspeed()
-        h = HYPERPARAMETERS if optimizer == "adam" else LAMB_HYPERPARAMETERS
-        model_class, specs = CASES[case]
+        h = _hyperparameters(optimizer)
+        model_class, specs = _case(optimizer, case)
         spec = specs[world_size]
         model = build_model(spec, model_class)
         params = list(model.parameters())
@@ -286,17 +353,25 @@ def _run_rank(rank: int, world_size: int, store: str, out_dir: str, optimizer: s
         for call in range(1, h["steps"] + 2):
             step = DRY_RUN_STEP if call == 1 else call - 1
             backward(model, *make_batch(spec, h["batch"], rank, step))
-            flag = engine.enable_backward_allreduce
+            flag = engine.enable_backward_allreduce  # set by the optimizer's previous call
             if flag:  # the engine's default gradient averaging: SUM, then scale by 1/n
                 for p in params:
                     dist.all_reduce(p.grad)
                     p.grad.mul_(1.0 / world_size)
+            if optimizer == "zoadam" and call > 1:
+                kind = _zoadam_kind(opt, params)
+                before = [opt.state[params[0]][key].clone() for key in ("exp_avg_sq", "exp_avg")]
             opt.step()
             if call > 1:
                 snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
                 flags.append(flag)
                 if optimizer == "lamb":
                     statistics.append(_lamb_statistics(opt, params))
+                if optimizer == "zoadam":
+                    state = opt.state[params[0]]
+                    statistics.append({"kind": kind, **{key: state[key] for key in ZOADAM_SCHEDULE_KEYS},
+                                       "v_changed": not torch.equal(before[0], state["exp_avg_sq"]),
+                                       "m_changed": not torch.equal(before[1], state["exp_avg"])})
         torch.save({"snapshots": snapshots, "flags": flags, "statistics": statistics,
                     "deepspeed": deepspeed.__version__}, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -319,8 +394,8 @@ def _spawn(world_size: int, store: str, out_dir: str, optimizer: str, case: str)
 
 
 def record(world_size: int, optimizer: str = "adam", case: str = "several_tensors") -> dict:
-    h = HYPERPARAMETERS if optimizer == "adam" else LAMB_HYPERPARAMETERS
-    model_class, specs = CASES[case]
+    h = _hyperparameters(optimizer)
+    model_class, specs = _case(optimizer, case)
     spec = specs[world_size]
     with tempfile.TemporaryDirectory() as tmp:
         _spawn(world_size, str(Path(tmp) / "store"), tmp, optimizer, case)
@@ -328,6 +403,8 @@ def record(world_size: int, optimizer: str = "adam", case: str = "several_tensor
     model = build_model(spec, model_class)
     names = [name for name, _ in model.named_parameters()]
     snapshots = ranks[0]["snapshots"]
+    if optimizer == "zoadam":
+        return _zoadam_run(world_size, spec, model, names, ranks)
     difference = max(float((r["snapshots"][t][k] - snapshots[t][k]).abs().max())
                      for r in ranks for t in range(h["steps"]) for k in names)
     run = {
@@ -352,6 +429,50 @@ def record(world_size: int, optimizer: str = "adam", case: str = "several_tensor
     return run
 
 
+def _zoadam_run(world_size: int, spec: dict, model: torch.nn.Module, names: list[str], ranks: list[dict]) -> dict:
+    """ZeroOneAdam's run: every rank's trajectory, the flags, the step kinds and the schedule state."""
+    h = ZOADAM_HYPERPARAMETERS
+    for r, rank in enumerate(ranks[1:], 1):  # the engine flags and the schedule are the same on every rank
+        if rank["flags"] != ranks[0]["flags"] or [s["kind"] for s in rank["statistics"]] != \
+                [s["kind"] for s in ranks[0]["statistics"]]:
+            raise RuntimeError(f"zoadam n={world_size}: rank {r}'s flags or step kinds differ from rank 0's")
+    trajectories = {k: torch.stack([torch.stack([s[k] for s in rank["snapshots"]]) for rank in ranks]) for k in names}
+    difference = torch.zeros(h["steps"], dtype=torch.float64)
+    for k, traj in trajectories.items():  # [n, steps, ...]
+        scale = traj[0].reshape(h["steps"], -1).abs().amax(dim=1).double()
+        spread = (traj - traj[0]).reshape(world_size, h["steps"], -1).abs().amax(dim=(0, 2)).double()
+        difference = torch.maximum(difference, spread / scale)
+    dtypes = {"lrs": torch.float64, "v_changed": torch.bool, "m_changed": torch.bool}
+    return {
+        "deepspeed": ranks[0]["deepspeed"],
+        "spec": dict(spec),
+        "names": names,
+        "initial": {name: p.detach().clone() for name, p in model.named_parameters()},
+        **make_data(spec, world_size, h["steps"], h["batch"], SingleTensorModel),
+        "trajectories": trajectories,
+        "backward_allreduce": ranks[0]["flags"],
+        "kinds": [s["kind"] for s in ranks[0]["statistics"]],
+        **{key: torch.tensor([[s[key] for s in rank["statistics"]] for rank in ranks],
+                             dtype=dtypes.get(key, torch.int64))
+           for key in (*ZOADAM_SCHEDULE_KEYS, "v_changed", "m_changed")},
+        "max_rank_difference": difference,
+    }
+
+
+def _zoadam_summary(n: int, run: dict) -> str:
+    kinds = run["kinds"]
+    syncs = [t for t, kind in enumerate(kinds) if kind == "sync"]
+    after_sync = float(run["max_rank_difference"][syncs].max()) if n > 1 else 0.0
+    between = max((float(run["max_rank_difference"][t]) for t, kind in enumerate(kinds) if kind == "local"),
+                  default=0.0)
+    short = {"variance": "V", "onebit_gradient": "G", "local": "L", "sync": "S"}
+    return (f"n={n}: kinds (onebit steps 1..{len(kinds)}) {''.join(short[k] for k in kinds)}; flags "
+            f"{''.join('T' if f else 'F' for f in run['backward_allreduce'])}; v changed at steps "
+            f"{[t + 1 for t in range(len(kinds)) if run['v_changed'][0, t]]}; m unchanged at steps "
+            f"{[t + 1 for t in range(len(kinds)) if not run['m_changed'][0, t]]}; relative cross-rank difference: "
+            f"after syncs max {after_sync:.3g}, after local steps max {between:.3g}")
+
+
 def _check_lamb(case: str, n: int, run: dict) -> None:
     """Refuse a warmup coefficient of exactly 1.0 (it skips DeepSpeed's moving average); note clamps."""
     h = LAMB_HYPERPARAMETERS
@@ -372,9 +493,9 @@ def _summary(n: int, run: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--optimizer", choices=("adam", "lamb"), default="adam")
+    parser.add_argument("--optimizer", choices=("adam", "lamb", "zoadam"), default="adam")
     parser.add_argument("--out", type=Path, default=None,
-                        help=f"default: {DEFAULT_OUT} (adam), {DEFAULT_LAMB_OUT} (lamb)")
+                        help=f"default: {DEFAULT_OUT} (adam), {DEFAULT_LAMB_OUT} (lamb), {DEFAULT_ZOADAM_OUT} (zoadam)")
     args = parser.parse_args(argv)
     if args.optimizer == "adam":
         out = args.out or DEFAULT_OUT
@@ -389,6 +510,19 @@ def main(argv: list[str] | None = None) -> int:
         }
         for n, run in runs.items():
             print(_summary(n, run))
+    elif args.optimizer == "zoadam":
+        out = args.out or DEFAULT_ZOADAM_OUT
+        runs = {n: record(n, "zoadam", "single_tensor") for n in ZOADAM_SPECS}
+        result = {
+            "format": 1,
+            "optimizer": "ZeroOneAdam",
+            "deepspeed_version": runs[2]["deepspeed"],
+            "torch_version": torch.__version__,
+            "hyperparameters": {**ZOADAM_HYPERPARAMETERS, "bias_correction": False},
+            "runs": {n: {k: v for k, v in run.items() if k != "deepspeed"} for n, run in runs.items()},
+        }
+        for n, run in runs.items():
+            print(_zoadam_summary(n, run))
     else:
         out = args.out or DEFAULT_LAMB_OUT
         h = LAMB_HYPERPARAMETERS
