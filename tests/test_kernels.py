@@ -657,8 +657,8 @@ def fresh_registry(monkeypatch):
     """Isolate the dispatch caches so that a test can register failing implementations."""
     monkeypatch.setattr(registry, "_LOADERS", dict(registry._LOADERS))
     monkeypatch.setattr(registry, "_NATIVE_FOR_DEVICE", dict(registry._NATIVE_FOR_DEVICE))
-    monkeypatch.setattr(kernels, "_LOADED", {})
-    monkeypatch.setattr(kernels, "_FAILED", {})
+    monkeypatch.setattr(registry, "_LOADED", {})
+    monkeypatch.setattr(registry, "_FAILED", {})
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
 
 
