@@ -1,15 +1,30 @@
-"""Checkpoint files: the optimizer's ``state_dict`` (:mod:`onebit.state`), the model's, and
-plain extras, written atomically on rank 0; with ``exact_resume``, each rank's compression errors
-beside them, restored when the world size, the layout and the step match.
+"""Checkpoint files that are all or nothing.
+
+A checkpoint at ``path`` is a small **manifest** (``path`` itself) naming its **parts**: rank 0's
+state part (the optimizer's ``state_dict``, the model's, and plain extras) and, with
+``exact_resume``, one part per rank holding that rank's compression errors. Every part has a name
+of its own (``<path>.state-<id>``, ``<path>.rank<r>-<id>``, a fresh random ``id`` per save) and
+its SHA-256 in the manifest; each file is written atomically (temporary file, fsync, rename).
+
+Saving: every rank writes its part, the ranks exchange the parts' ids and digests (one
+all-gather, the only collective), and rank 0 commits by replacing the manifest. A process killed
+at any moment leaves the previous manifest, whose parts are all still there (a rank deletes its
+older parts only once they cannot be named by the manifest on disk), or the new one. Loading
+reads the manifest, checks every part it needs against its digest, and, with ``exact_resume``,
+lets the ranks agree (one all-reduce) to restore the errors on every rank or reset them on every
+rank. Stale temporary files of killed writers are removed at the next save.
 
 Uses only the optimizers' public methods (``state_dict``, ``restore``, ``compression_errors``,
-``layout_digest``, ``step_count``, ``backend``).
+``layout_digest``, ``step_count``, ``backend``, ``param_groups``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
+_FILE_MARKER = "onebit-checkpoint"
+_MANIFEST_VERSION = 2
+_ID_BYTES = 8
+
 
 def _fail(message: str) -> None:
     raise ValueError(f"cannot load checkpoint: {message}")
@@ -29,24 +48,10 @@ def _fail(message: str) -> None:
 
 # ----------------------------------------------------------------------------- files
 
-_FILE_MARKER = "onebit-checkpoint"
 
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    """Write ``obj`` to ``path`` so that a crash leaves either the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _fsync_dir(directory: Path) -> None:
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
+        fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
     try:
@@ -57,62 +62,187 @@ def _atomic_save(obj: Any, path: Path) -> None:
         os.close(fd)
 
 
-def _read(path: Path) -> Any:
+def _atomic_write(data: bytes, path: Path) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def _serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _read(path: Path, digest: str | None = None) -> Any:
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    data = path.read_bytes()
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError(f"checkpoint file {path} does not match the digest its manifest records (damaged or replaced)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a damaged zip or pickle
         raise ValueError(f"checkpoint file {path} is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
 
 
-def _rank_path(path: Path, rank: int) -> Path:
-    return path.with_name(f"{path.name}.rank{rank}")
+def _part_path(path: Path, kind: str, part_id: str) -> Path:
+    return path.with_name(f"{path.name}.{kind}-{part_id}")
+
+
+def _device(optimizer: OnebitOptimizer) -> torch.device:
+    errors = optimizer.compression_errors()
+    if errors:
+        return errors[0][0].device
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return params[0].device if params else torch.device("cpu")
+
+
+def _exchange(optimizer: OnebitOptimizer, part_id: str, digest: str) -> list[tuple[str, str]]:
+    """Every rank's (part id, digest): one all-gather."""
+    backend = optimizer.backend
+    mine = torch.tensor(list(bytes.fromhex(part_id) + bytes.fromhex(digest)), dtype=torch.uint8,
+                        device=_device(optimizer))
+    everyone = torch.empty(backend.world_size, mine.numel(), dtype=torch.uint8, device=mine.device)
+    backend.all_gather(everyone, mine)
+    rows = [bytes(row.cpu().tolist()) for row in everyone]
+    return [(row[:_ID_BYTES].hex(), row[_ID_BYTES:].hex()) for row in rows]
+
+
+def _manifest(path: Path) -> Mapping[str, Any] | None:
+    """The committed manifest at ``path``, or None when there is none (or it is not one)."""
+    try:
+        manifest = _read(path)
+    except (FileNotFoundError, ValueError):
+        return None
+    if isinstance(manifest, Mapping) and manifest.get("format") == _FILE_MARKER and "parts" in manifest:
+        return manifest
+    return None
+
+
+def _clean(path: Path, kind: str, keep: set[str]) -> None:
+    """Remove this writer's parts of ``kind`` whose id is not in ``keep``, and stale temporary files."""
+    prefix = f"{path.name}.{kind}-"
+    for entry in path.parent.glob(f"*{prefix}*"):
+        name = entry.name
+        stale_tmp = name.startswith(f".{prefix}") and ".tmp-" in name
+        old_part = name.startswith(prefix) and name[len(prefix):] not in keep
+        if stale_tmp or old_part:
+            try:
+                entry.unlink()
+            except FileNotFoundError:
+                pass
 
 
 def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, model: torch.nn.Module | None = None,
                     extra: dict[str, Any] | None = None, exact_resume: bool = False) -> None:
-    """Save atomically (temporary file, fsync, rename) on rank 0: the optimizer's ``state_dict()``,
-    the model's ``state_dict()`` if given, and ``extra`` (plain data: ints, floats, strings,
-    tensors, lists, dicts). Call it on every rank.
+    """Save a checkpoint, all or nothing (see the module docstring): rank 0's state part (the
+    optimizer's ``state_dict()``, the model's ``state_dict()`` if given, and ``extra``: plain data,
+    ints, floats, strings, tensors, lists, dicts), then the manifest ``path``. Call it on every
+    rank, with the same arguments.
 
-    ``exact_resume=True``: every rank also writes its own compression errors to
-    ``<path>.rank<r>``, so that :func:`load_checkpoint` on the same world size continues the run
-    bit for bit. All ranks wait for each other at the end (a barrier).
+    ``exact_resume=True``: every rank also writes its own compression errors as a part, so that
+    :func:`load_checkpoint` on the same world size continues the run bit for bit; the ranks then
+    exchange their parts' digests (one all-gather) before rank 0 commits. Without it rank 0
+    commits alone and the other ranks write nothing.
     """
     path = Path(path)
     backend = optimizer.backend
-    if backend.rank == 0:
-        payload = {
-            "format": _FILE_MARKER,
+    rank, n = backend.rank, backend.world_size
+    part_id = secrets.token_hex(_ID_BYTES)
+    digest = None
+    if exact_resume:
+        errors = [(w.cpu().clone(), s.cpu().clone()) for w, s in optimizer.compression_errors()]
+        data = _serialize({"format": _FILE_MARKER + "-rank", "world_size": n, "rank": rank,
+                           "step": optimizer.step_count, "layout": optimizer.layout_digest(), "errors": errors})
+        digest = hashlib.sha256(data).hexdigest()
+        _atomic_write(data, _part_path(path, f"rank{rank}", part_id))
+    if rank == 0:
+        state = _serialize({
+            "format": _FILE_MARKER + "-state",
             "optimizer": optimizer.state_dict(),
             "model": None if model is None else {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
             "extra": extra,
-            "world_size": backend.world_size,
-        }
-        _atomic_save(payload, path)
+        })
+        state_digest = hashlib.sha256(state).hexdigest()
+        _atomic_write(state, _part_path(path, "state", part_id))
+    parts = _exchange(optimizer, part_id, digest) if exact_resume else None
     if exact_resume:
-        errors = [(w.cpu().clone(), s.cpu().clone()) for w, s in optimizer.compression_errors()]
-        _atomic_save({"format": _FILE_MARKER + "-rank", "world_size": backend.world_size, "rank": backend.rank,
-                      "step": optimizer.step_count, "layout": optimizer.layout_digest(), "errors": errors},
-                     _rank_path(path, backend.rank))
-    backend.barrier()
+        # Every rank's part is written; rank 0 has finished every earlier save (it committed it
+        # before joining this all-gather), so the manifest on disk names this save's parts or the
+        # previous save's: keep those, remove older ones.
+        committed = _manifest(path)
+        previous = committed["parts"]["ranks"][rank][0] if (
+            committed and committed["parts"].get("ranks") and len(committed["parts"]["ranks"]) > rank) else None
+        _clean(path, f"rank{rank}", {part_id, previous} - {None})
+    if rank == 0:
+        manifest = {"format": _FILE_MARKER, "version": _MANIFEST_VERSION, "world_size": n,
+                    "step": optimizer.step_count, "layout": optimizer.layout_digest(),
+                    "parts": {"state": (part_id, state_digest), "ranks": parts}}
+        _atomic_write(_serialize(manifest), path)  # the commit
+        _clean(path, "state", {part_id})
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # a manifest whose writer was killed
+            stale.unlink(missing_ok=True)
+
+
+def _read_state(path: Path, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
+    if "parts" not in manifest:  # a single-file checkpoint of onebit 0.1
+        return manifest
+    part_id, digest = manifest["parts"]["state"]
+    state = _read(_part_path(path, "state", part_id), digest)
+    if not isinstance(state, Mapping) or state.get("format") != _FILE_MARKER + "-state":
+        _fail(f"the state part of {path} is not a onebit checkpoint part")
+    return state
+
+
+def _own_errors(path: Path, manifest: Mapping[str, Any], optimizer: OnebitOptimizer, step: Any) -> tuple[Any, str]:
+    """(this rank's saved compression errors, or None; the reason when None)."""
+    backend = optimizer.backend
+    ranks = manifest.get("parts", {}).get("ranks")
+    if not ranks:
+        return None, "the checkpoint was saved without exact_resume"
+    if len(ranks) != backend.world_size or manifest.get("world_size") != backend.world_size:
+        return None, f"it was saved on {len(ranks)} ranks, this run has {backend.world_size}"
+    if manifest.get("layout") != optimizer.layout_digest():
+        return None, "it was saved with another parameter layout"
+    part_id, digest = ranks[backend.rank]
+    try:
+        mine = _read(_part_path(path, f"rank{backend.rank}", part_id), digest)
+    except (FileNotFoundError, ValueError) as exc:
+        return None, str(exc)
+    if mine.get("step") != step or mine.get("rank") != backend.rank:
+        return None, f"rank part of {path} does not match the step or rank"
+    return mine["errors"], ""
 
 
 def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, model: torch.nn.Module | None = None,
                     exact_resume: bool = False) -> dict[str, Any] | None:
-    """Load a :func:`save_checkpoint` file into ``optimizer`` (and ``model``); return ``extra``.
+    """Load the checkpoint committed at ``path`` into ``optimizer`` (and ``model``); return
+    ``extra``. Call it on every rank, with the same arguments.
 
-    Everything is validated before anything changes: a truncated or corrupt file, a checkpoint of
-    a different model, or a newer format raise ``ValueError`` and leave model and optimizer as
-    they were. Compression errors are reset, unless ``exact_resume`` and this rank's
-    ``<path>.rank<r>`` file matches the world size, the layout and the step; otherwise the reset
-    is logged once on rank 0.
+    Everything is validated before anything changes: a missing, truncated or corrupt file or
+    part, a checkpoint of a different model, or a newer format raise ``ValueError`` and leave model
+    and optimizer as they were. Compression errors are reset, unless ``exact_resume``: then every
+    rank checks its own part (world size, layout, step, digest) and the ranks agree with one
+    all-reduce to restore on every rank or reset on every rank; every rank logs what it did.
     """
     path = Path(path)
-    payload = _read(path)
-    if not isinstance(payload, Mapping) or payload.get("format") != _FILE_MARKER:
+    manifest = _read(path)
+    if not isinstance(manifest, Mapping) or manifest.get("format") != _FILE_MARKER:
         _fail(f"{path} is not a onebit checkpoint file (save it with onebit.save_checkpoint)")
+    if manifest.get("version", 1) > _MANIFEST_VERSION:
+        _fail(f"{path} has manifest version {manifest.get('version')}, newer than this onebit reads; upgrade onebit")
+    payload = _read_state(path, manifest)
     sd = payload.get("optimizer")
     if model is not None:
         saved = payload.get("model")
@@ -129,21 +259,16 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     errors = None
     backend = optimizer.backend
     if exact_resume:
-        rank_file = _rank_path(path, backend.rank)
-        try:
-            mine = _read(rank_file)
-        except (FileNotFoundError, ValueError) as exc:
-            mine, reason = None, str(exc)
-        if mine is not None:
-            saved_step = sd.get("onebit", {}).get("step") if isinstance(sd, Mapping) else None
-            if mine.get("world_size") != backend.world_size:
-                reason = f"it was saved on {mine.get('world_size')} ranks, this run has {backend.world_size}"
-            elif mine.get("layout") != optimizer.layout_digest() or mine.get("step") != saved_step:
-                reason = f"{rank_file} does not match this optimizer's layout or step"
-            else:
-                errors = mine["errors"]
-        if errors is None and backend.rank == 0:
-            logger.info("onebit: exact resume not possible for %s (%s)", path, reason)
+        step = sd.get("onebit", {}).get("step") if isinstance(sd, Mapping) else None
+        errors, reason = _own_errors(path, manifest, optimizer, step)
+        if backend.world_size > 1:  # restore everywhere or nowhere
+            flag = torch.tensor([0.0 if errors is None else 1.0], device=_device(optimizer))
+            backend.all_reduce_mean_(flag)
+            if errors is not None and float(flag.item()) < 1.0:
+                errors, reason = None, "another rank cannot restore its errors"
+        if errors is None:
+            logger.info("onebit: rank %d: exact resume not possible for %s (%s); compression errors reset",
+                        backend.rank, path, reason)
     # The optimizer validates everything before it changes anything; the model was checked above.
     optimizer.restore(sd, compression_errors=errors)
     if model is not None:

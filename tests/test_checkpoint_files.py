@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 
@@ -97,14 +98,71 @@ def test_checkpoint_of_another_model_is_rejected_and_nothing_changes(tmp_path):
     assert _unchanged(before, _fingerprint(other, other_opt))
 
 
-def test_newer_format_is_rejected(tmp_path):
+def _rewrite_state_part(path, change) -> None:
+    """Apply ``change`` to the state part of the checkpoint at ``path`` and record its new digest."""
+    manifest = torch.load(path, weights_only=True)
+    part_id, _ = manifest["parts"]["state"]
+    part = path.with_name(f"{path.name}.state-{part_id}")
+    state = torch.load(part, weights_only=True)
+    change(state)
+    torch.save(state, part)
+    manifest["parts"]["state"] = (part_id, hashlib.sha256(part.read_bytes()).hexdigest())
+    torch.save(manifest, path)
+
+
+def test_newer_formats_are_rejected(tmp_path):
     model, opt = _local()
-    save_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
-    payload = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    payload["optimizer"]["onebit"]["format_version"] = 3
-    torch.save(payload, tmp_path / "ckpt.pt")
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, opt, model=model)
+    _rewrite_state_part(path, lambda state: state["optimizer"]["onebit"].update(format_version=3))
     with pytest.raises(ValueError, match="format_version 3 is newer than this onebit supports"):
-        load_checkpoint(tmp_path / "ckpt.pt", opt, model=model)
+        load_checkpoint(path, opt, model=model)
+    manifest = torch.load(path, weights_only=True)
+    torch.save({**manifest, "version": 3}, path)
+    with pytest.raises(ValueError, match="manifest version 3, newer than this onebit reads"):
+        load_checkpoint(path, opt, model=model)
+
+
+def test_a_damaged_state_part_is_caught_by_its_digest_and_nothing_changes(tmp_path):
+    model, opt = _local()
+    _train(model, opt, 0, range(3))
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, opt, model=model)
+    (part,) = tmp_path.glob("ckpt.pt.state-*")
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 1  # one flipped bit: torch.load alone might not notice
+    part.write_bytes(bytes(data))
+    model2, opt2 = _local()
+    before = _fingerprint(model2, opt2)
+    with pytest.raises(ValueError, match="does not match the digest its manifest records"):
+        load_checkpoint(path, opt2, model=model2)
+    assert _unchanged(before, _fingerprint(model2, opt2))
+
+
+def test_a_single_file_checkpoint_of_onebit_0_1_still_loads(tmp_path):
+    model, opt = _local()
+    _train(model, opt, 0, range(3))
+    legacy = {"format": "onebit-checkpoint", "optimizer": opt.state_dict(), "model": model.state_dict(),
+              "extra": {"epoch": 1}, "world_size": 1}
+    torch.save(legacy, tmp_path / "old.pt")
+    model2, opt2 = _local()
+    assert load_checkpoint(tmp_path / "old.pt", opt2, model=model2, exact_resume=True) == {"epoch": 1}
+    assert _unchanged(_fingerprint(model, opt), _fingerprint(model2, opt2))
+
+
+def test_saves_keep_only_the_parts_the_manifest_can_name(tmp_path):
+    model, opt = _local()
+    path = tmp_path / "ckpt.pt"
+    for k in range(4):
+        _train(model, opt, 0, range(k, k + 1))
+        save_checkpoint(path, opt, model=model, exact_resume=True)
+        manifest = torch.load(path, weights_only=True)
+        assert {p.name for p in tmp_path.glob("ckpt.pt.state-*")} == {f"ckpt.pt.state-{manifest['parts']['state'][0]}"}
+        ranks = {p.name for p in tmp_path.glob("ckpt.pt.rank0-*")}
+        assert f"ckpt.pt.rank0-{manifest['parts']['ranks'][0][0]}" in ranks and len(ranks) <= 2
+    (tmp_path / ".ckpt.pt.rank0-deadbeef.tmp-999999").write_bytes(b"half a file")
+    save_checkpoint(path, opt, model=model, exact_resume=True)
+    assert not list(tmp_path.glob(".*tmp*")), "stale temporary files of killed writers are removed"
 
 
 def test_a_plain_torch_file_is_not_taken_for_a_checkpoint(tmp_path):

@@ -1,0 +1,87 @@
+"""Elastic training with onebit: restart from the last checkpoint after any crash.
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/elastic_train.py --out runs/elastic
+
+``torchrun --max-restarts`` restarts every rank when one dies (a SIGKILL, an OOM kill, a lost
+node); this script then loads the last committed checkpoint and carries on. Checkpoints are all or
+nothing (``onebit.save_checkpoint``): whatever moment a rank dies, the restart finds the new
+checkpoint or the previous one, complete, on every rank. With ``--exact-resume`` (the default)
+each rank's compression errors are part of the checkpoint, and the run ends bit for bit where an
+uninterrupted run ends; without, the errors are reset at the restart (the paper's default).
+
+Everything a step reads comes from the step number (batches are drawn from a generator seeded
+by the step and the rank), so the steps after the checkpoint are replayed exactly. The script
+may restart on another world size (``--nproc-per-node 3`` after a run on 2): the checkpoint
+loads, the errors are reset. At the end every rank writes its parameters to
+``<out>/final.rank<r>.pt`` and checks that they are identical on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from onebit import OnebitAdam, load_checkpoint, save_checkpoint
+
+logger = logging.getLogger("elastic_train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="run directory: checkpoint.pt (+ parts) and final.rank<r>.pt")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--freeze-step", type=int, default=6)
+    p.add_argument("--no-exact-resume", dest="exact_resume", action="store_false")
+    return p.parse_args(argv)
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1_000_003 * step + rank)
+    return torch.randn(16, 12, generator=gen), torch.randn(16, 4, generator=gen)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # A bounded timeout: a rank blocked on a dead peer fails within a minute (gloo's default is 30)
+    # and torchrun restarts the group; a restart whose gloo connection fails does the same.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    out = Path(args.out)
+    checkpoint = out / "checkpoint.pt"
+    model = build_model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=args.freeze_step, comm_backend_name="gloo")
+    if checkpoint.exists():  # a restart: rank 0 committed at least one checkpoint
+        load_checkpoint(checkpoint, opt, model=model, exact_resume=args.exact_resume)
+        logger.info("rank %d: restart %s resumes after step %d", rank,
+                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"), opt.step_count)
+    for step in range(opt.step_count + 1, args.steps + 1):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if step % args.save_every == 0:
+            save_checkpoint(checkpoint, opt, model=model, exact_resume=args.exact_resume)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(params, out / f"final.rank{rank}.pt")
+    everyone = [torch.empty_like(params) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, params)
+    if not all(torch.equal(p, params) for p in everyone):
+        raise RuntimeError("parameters differ between ranks at the end of the run")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
