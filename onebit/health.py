@@ -95,6 +95,15 @@ class Health:
                 "is no longer tracking the momentum; the run may be diverging: lower the learning rate, raise "
                 "freeze_step, or try scale_block_size", rank)
 
+    def flag(self, kind: str, active: bool, message: str, rank: int) -> None:
+        """An algorithm's own sign of a run going wrong: warn (or raise) once per episode of
+        ``active`` (a condition that is the same on every rank)."""
+        if not active:
+            self._warned.discard(kind)
+        elif kind not in self._warned:
+            self._warned.add(kind)
+            self._diverging(message, rank)
+
     def _diverging(self, message: str, rank: int) -> None:
         """Warn on rank 0, or raise on every rank (the caller's condition is the same on all)."""
         if self.divergence == "raise":

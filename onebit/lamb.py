@@ -184,6 +184,22 @@ class OnebitLamb(FrozenVarianceOptimizer):
         last.copy_(F.lamb_factor(max_ratio, prelim_norms, update_norms, last, self.factor_min, self.factor_max,
                                  self.factor_threshold))
         self._apply(bucket, updates, bucket.scalars["lamb_coeff_freeze"] * last, group["lr"])
+        # f at its ceiling: the fresh variance has fallen far below the frozen one somewhere (the
+        # BERT example's divergence with beta2 0.98 started so). Same value on every rank.
+        ceiling = last >= self.factor_max
+        self._health.flag(f"factor{id(bucket)}", bool(ceiling.any()),
+                          f"step {t}: 1-bit LAMB's factor reached factor_max={self.factor_max:g} for "
+                          f"{int(ceiling.sum())} tensor(s) of param group {bucket.group_index}; the fresh variance is "
+                          "far below the frozen one and the run may be diverging: raise beta2 (e.g. 0.999), "
+                          "lower factor_max or the learning rate", self._backend.rank)
+
+    def comm_stats(self) -> dict[str, Any]:
+        """:meth:`OnebitOptimizer.comm_stats`, plus ``max_factor``: the largest per-tensor factor
+        ``f`` of the last compression step (1.0 before), the first sign of a diverging run."""
+        stats = super().comm_stats()
+        factors = [float(b.scalars["last_factor"].max()) for b in self._buckets if len(b.params)]
+        stats["max_factor"] = max(factors, default=1.0)
+        return stats
 
     @staticmethod
     def _float(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ arguments, checkpoints and DDP integration."""
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -544,3 +545,27 @@ def test_attach_ddp_trains_through_both_phases_like_plain_onebit(two_ranks):
     ddp, plain = results[0]["ddp"]["stats"], results[0]["plain"]["stats"]
     assert ddp["warmup"]["bytes_sent"] < plain["warmup"]["bytes_sent"] / 10  # not all-reduced twice
     assert ddp["compression"]["bytes_sent"] == plain["compression"]["bytes_sent"] > 0
+
+
+def test_a_factor_at_its_ceiling_is_reported_and_warned_about_once(caplog):
+    # A fresh variance far below the frozen one: large warmup gradients, then tiny ones, and a beta2
+    # that lets the fresh variance follow them within a few steps.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = OnebitLamb([p], lr=1e-3, freeze_step=2, betas=(0.9, 0.5), factor_max=1.5, factor_threshold=0.5,
+                     comm_backend_name="local")
+    assert opt.comm_stats()["max_factor"] == 1.0
+    with caplog.at_level(logging.WARNING, logger="onebit"):
+        for t in range(8):
+            p.grad = torch.randn(64) * (10.0 if t < 2 else 1e-3)
+            opt.step()
+    assert opt.comm_stats()["max_factor"] == 1.5
+    warnings = [r for r in caplog.records if "factor reached factor_max=1.5" in r.message]
+    assert len(warnings) == 1
+    raising = OnebitLamb([torch.nn.Parameter(torch.randn(64))], lr=1e-3, freeze_step=2, betas=(0.9, 0.5),
+                         factor_max=1.5, factor_threshold=0.5, comm_backend_name="local", divergence="raise")
+    with pytest.raises(FloatingPointError, match="factor reached factor_max"):
+        for t in range(8):
+            for q in raising.param_groups[0]["params"]:
+                q.grad = torch.randn(64) * (10.0 if t < 2 else 1e-3)
+            raising.step()
