@@ -129,7 +129,8 @@ def test_pretrain_two_ranks_crosses_freeze_step_and_resumes_bit_for_bit(tmp_path
     stopped = json.loads((resumed / "summary.json").read_text())
     assert "final_val_loss" not in stopped and stopped["final_val_loss_finite"] is None
     assert stopped["status"] == "stopped"
-    assert (resumed / "checkpoint.pt.rank1").is_file()
+    manifest = torch.load(resumed / "checkpoint.pt", weights_only=True)  # names each rank's part
+    assert (resumed / f"checkpoint.pt.rank1-{manifest['parts']['ranks'][1][0]}").is_file()
     bert_compare.launch([*common, "--out", str(resumed), "--resume"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
     log = (resumed / "rank0.log").read_text()
     assert log.count("resumed from") == 1 and "at step 5" in log, log

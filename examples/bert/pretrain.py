@@ -511,8 +511,8 @@ def train(args: argparse.Namespace) -> dict:
         if step % args.eval_every == 0 and step != args.steps:
             validate(step)
         if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == stop:
-            # Every rank calls it: rank 0 writes the file (atomically); unless --no-exact-resume,
-            # each rank also writes its compression errors to checkpoint.pt.rank<r>.
+            # Every rank calls it: rank 0 writes the state and commits the manifest checkpoint.pt;
+            # unless --no-exact-resume, each rank also writes its compression errors as its part.
             skipped = skipped_steps()
             onebit.save_checkpoint(ckpt_path, optimizer, model=model, exact_resume=args.exact_resume, extra=dict(
                 format=CHECKPOINT_FORMAT, step=step, bytes_sent=bytes_sent(), elapsed_s=elapsed(), settings=settings,
