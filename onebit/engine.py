@@ -15,22 +15,21 @@ step averages gradients in full precision; ``comm_stats()`` counts steps and byt
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from .backends import CommBackend, resolve_backend
-from .buckets import (Bucket, all_finite, build_keep_mask, check_grads, check_layout, grads_of, layout_digest,
-                      set_masks, split_into_buckets)
+from .buckets import (Bucket, all_finite, build_keep_mask, check_grads, check_layout, grads_of, set_masks,
+                      split_into_buckets)
 from .collectives import finish_, start_server_, start_worker_
 from .health import HEALTH_CHECK_INTERVAL, Health
+from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
 from .state import StateDictContract
-from .stats import InstrumentedBackend, StepTimers, timed_kernels
+from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import check_common_group, check_engine_options, check_flag, check_params
 
 logger = logging.getLogger(__name__)
@@ -38,18 +37,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["OnebitOptimizer", "StepPlan", "DEFAULT_BUCKET_SIZE"]
 
 DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What one step communicates. ``name`` is the kind of step (``comm_stats()`` counts by it);
-    ``average_gradients``: the gradients are averaged over ranks in full precision before the
-    update (DDP may do it, see :func:`onebit.integrations.attach_ddp`); ``compress``: a buffer
-    of each compressed bucket goes through the 1-bit compressed all-reduce. Neither: a local step."""
-
-    name: str
-    average_gradients: bool = False
-    compress: bool = False
 
 
 class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
@@ -267,9 +254,6 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         """
         errors = self.compression_errors()
 
-        def norm(tensors: Iterable[torch.Tensor]) -> float:
-            return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
-
         return {
             "backend": self._backend.name,
             "world_size": self._backend.world_size,
@@ -278,8 +262,8 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
             "buckets": len(self._buckets),
             **{name: stats.as_dict() for name, stats in self._backend.totals.items()},
             "last_step": self._backend.last_step.as_dict(),
-            "worker_error_norm": norm(w for w, _ in errors),
-            "server_error_norm": norm(s for _, s in errors),
+            "worker_error_norm": l2_norm(w for w, _ in errors),
+            "server_error_norm": l2_norm(s for _, s in errors),
             "skipped_in_a_row": self._health.skipped_in_a_row,
             "error_to_momentum": self._health.error_ratio_agreed,
         }
@@ -300,25 +284,6 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         ``codec_server``, ``codec_decode``, ``update`` (communication is in ``comm_stats()``).
         Each part is also a ``torch.profiler.record_function`` range named ``onebit.<label>``."""
         self._timed.add(timer)
-
-    # ----------------------------------------------------------------- compression errors, layout
-
-    def compression_errors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The live (worker error, server error) of every compressed bucket, in bucket order; they
-        are this rank's own (copy them to keep them)."""
-        return [(b.compression.worker_error, b.compression.server_error) for b in self._buckets
-                if b.compression is not None]
-
-    def reset_compression_errors(self) -> None:
-        """Zero the worker and server errors of every bucket (what ``load_state_dict`` does)."""
-        for bucket in self._buckets:
-            if bucket.compression is not None:
-                bucket.compression.reset_errors_()
-
-    def layout_digest(self) -> str:
-        """16 hex digits that differ when the parameter layout (groups, shapes, dtypes, buckets,
-        segments) does: what must match for compression errors to be exchanged."""
-        return layout_digest(self._buckets)
 
     # ----------------------------------------------------------------- step
 

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .buckets import layout_digest
+
 if TYPE_CHECKING:
     from .engine import OnebitOptimizer
 
@@ -191,7 +193,25 @@ def apply_state(opt: OnebitOptimizer, loaded: LoadedState) -> None:
 
 
 class StateDictContract:
-    """The ``state_dict`` methods of :class:`onebit.engine.OnebitOptimizer` (which inherits them)."""
+    """The ``state_dict`` methods of :class:`onebit.engine.OnebitOptimizer` (which inherits them),
+    and what checkpoint files need besides: this rank's compression errors and the layout digest."""
+
+    def compression_errors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The live (worker error, server error) of every compressed bucket, in bucket order; they
+        are this rank's own (copy them to keep them)."""
+        return [(b.compression.worker_error, b.compression.server_error) for b in self._buckets
+                if b.compression is not None]
+
+    def reset_compression_errors(self) -> None:
+        """Zero the worker and server errors of every bucket (what ``load_state_dict`` does)."""
+        for bucket in self._buckets:
+            if bucket.compression is not None:
+                bucket.compression.reset_errors_()
+
+    def layout_digest(self) -> str:
+        """16 hex digits that differ when the parameter layout (groups, shapes, dtypes, buckets,
+        segments) does: what must match for compression errors to be exchanged."""
+        return layout_digest(self._buckets)
 
     def state_dict(self) -> dict[str, Any]:
         """World-size independent state (see :mod:`onebit.state`): the step, each parameter's

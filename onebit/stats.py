@@ -11,8 +11,9 @@ exchange sends from one rank), so they compare across transports:
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from .backends.base import CommBackend, Pending
 from .compression import allreduce_wire_bytes
 from .kernels import KernelSet
 
-__all__ = ["PhaseStats", "InstrumentedBackend", "StepTimers", "timed_kernels"]
+__all__ = ["PhaseStats", "InstrumentedBackend", "StepTimers", "timed_kernels", "l2_norm"]
 
 
 @dataclass
@@ -178,3 +179,8 @@ class StepTimers:
                 elapsed = time.perf_counter() - start
                 for callback in self.callbacks:
                     callback(label, elapsed)
+
+
+def l2_norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of several tensors together, summed in float64."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
