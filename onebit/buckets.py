@@ -234,11 +234,11 @@ def all_finite(grads: list[list[torch.Tensor | None]]) -> bool:
     return all(bool(torch.isfinite(g).all()) for g, ok in zip(present, finite.tolist()) if not ok)
 
 
-def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> int:
+def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """At the first compressed step (or the first after a load): the coordinates whose compressed
     value is kept 0 from then on: the user's mask, ``dead`` (bool over the padded buffer, the
-    algorithm's) and the padding. Releases the full-precision scratch buffers. Returns the
-    number of dead parameter coordinates."""
+    algorithm's) and the padding. Releases the full-precision scratch buffers. Returns the kept
+    coordinates (bool over the padded buffer) and the number of dead parameter coordinates."""
     keep = bucket.real()
     dead_count = 0
     if dead is not None:
@@ -256,7 +256,7 @@ def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> int:
         bucket.frozen_zeros = torch.nonzero(~keep).flatten()
     bucket.frozen_mask_ready = True
     bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
-    return dead_count
+    return keep, dead_count
 
 
 def check_grads(buckets: list[Bucket], owner: str) -> None:

@@ -164,9 +164,10 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         first compressed step on, besides the masks and the padding; None for none."""
         return None
 
-    def _on_compression(self, buckets: list[Bucket], t: int, dead: int) -> None:
+    def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         """Called when the keep masks of ``buckets`` were derived (first compressed step, or the
-        first after a load); ``dead``: how many coordinates :meth:`_dead` gave."""
+        first after a load): ``keeps`` (bool, True where the compressed value is not forced to 0);
+        ``dead``: how many coordinates :meth:`_dead` gave."""
 
     def _schedule_state(self) -> dict[str, Any]:
         """The schedule settings saved in ``state_dict()['onebit']``."""
@@ -354,8 +355,8 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
                      else "in the averaged gradients" if communicates else "in the gradients")
             return self._health.nonfinite(t, where, self._backend.rank)
         if compressed and not all(b.frozen_mask_ready for b in compressed):
-            dead = sum(build_keep_mask(b, self._dead(b)) for b in compressed)
-            self._on_compression(compressed, t, dead)
+            kept = [build_keep_mask(b, self._dead(b)) for b in compressed]
+            self._on_compression(compressed, [keep for keep, _ in kept], t, sum(dead for _, dead in kept))
         # Compressed buckets are pipelined: each bucket's all-to-all and all-gather are in flight
         # while the other buckets are compressed, recompressed and updated (same results as one
         # bucket after the other; every rank starts the collectives in the same order).

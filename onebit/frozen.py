@@ -45,7 +45,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _dead(self, bucket: Bucket) -> torch.Tensor:
         return bucket.buffers["exp_avg_sq"] == 0
 
-    def _on_compression(self, buckets: list[Bucket], t: int, dead: int) -> None:
+    def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         if self._backend.rank == 0:
             what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
             logger.info(

@@ -57,15 +57,13 @@ class Health:
             if self.skipped_in_a_row >= SKIPS_TO_WARN and rank == 0:
                 logger.warning("onebit: step %d applied after %d skipped steps in a row", t, self.skipped_in_a_row)
             self.skipped_in_a_row = 0
-            self._warned.discard("skips")
+            self.flag("skips", False, "", rank)
             return
         self.skipped_in_a_row += 1
-        if self.skipped_in_a_row >= SKIPS_TO_WARN and "skips" not in self._warned:
-            self._warned.add("skips")
-            self._diverging(
-                f"{self.skipped_in_a_row} step() calls in a row were skipped for non-finite gradients (at step "
-                f"{t}, a {plan} step); the run may be diverging: lower the learning rate, or in compression "
-                "raise freeze_step", rank)
+        self.flag("skips", self.skipped_in_a_row >= SKIPS_TO_WARN,
+                  f"{self.skipped_in_a_row} step() calls in a row were skipped for non-finite gradients (at step "
+                  f"{t}, a {plan} step); the run may be diverging: lower the learning rate, or in compression "
+                  "raise freeze_step", rank)
 
     def measure(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor, list[int]]]) -> None:
         """Record the largest ratio, over this rank's segments (tensors, or blocks of them), of the
@@ -84,20 +82,15 @@ class Health:
     def judge(self, agreed: float, t: int, rank: int) -> None:
         """The mean over ranks of the last measurement, agreed before step ``t``."""
         self.error_ratio, self.error_ratio_agreed = None, agreed
-        if agreed <= ERROR_RATIO_TO_WARN:
-            self._warned.discard("errors")
-            return
-        if "errors" not in self._warned:
-            self._warned.add("errors")
-            self._diverging(
-                f"before step {t} the worker compression error norm of a tensor is {agreed:.3g} times its "
-                f"momentum's norm (worst tensor, mean over ranks; above {ERROR_RATIO_TO_WARN:g}): 1-bit compression "
-                "is no longer tracking the momentum; the run may be diverging: lower the learning rate, raise "
-                "freeze_step, or try scale_block_size", rank)
+        self.flag("errors", agreed > ERROR_RATIO_TO_WARN,
+                  f"before step {t} the worker compression error norm of a tensor is {agreed:.3g} times its "
+                  f"momentum's norm (worst tensor, mean over ranks; above {ERROR_RATIO_TO_WARN:g}): 1-bit compression "
+                  "is no longer tracking the momentum; the run may be diverging: lower the learning rate, raise "
+                  "freeze_step, or try scale_block_size", rank)
 
     def flag(self, kind: str, active: bool, message: str, rank: int) -> None:
-        """An algorithm's own sign of a run going wrong: warn (or raise) once per episode of
-        ``active`` (a condition that is the same on every rank)."""
+        """A sign of a run going wrong (the engine's, or an algorithm's own): warn (or raise) once
+        per episode of ``active`` (a condition that is the same on every rank)."""
         if not active:
             self._warned.discard(kind)
         elif kind not in self._warned:

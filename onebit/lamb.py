@@ -151,15 +151,10 @@ class OnebitLamb(FrozenVarianceOptimizer):
         bucket.scratch("prev").copy_(bucket.buffers["exp_avg"])
         return super()._compress_input(bucket, grads, group, t)
 
-    def _on_compression(self, buckets: list[Bucket], t: int, dead: int) -> None:
-        super()._on_compression(buckets, t, dead)
-        for bucket in buckets:  # 1 where the momentum is live: where the factor is measured
-            live = bucket.scratch("live")
-            live.fill_(1.0)
-            live.masked_fill_(bucket.buffers["exp_avg_sq"] == 0, 0.0)
-            live.masked_fill_(~bucket.real(), 0.0)
-            if bucket.mask is not None:
-                live.mul_(bucket.mask)
+    def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
+        super()._on_compression(buckets, keeps, t, dead)
+        for bucket, keep in zip(buckets, keeps):  # 1 where the momentum is live: where f is measured
+            bucket.scratch("live").copy_(keep)
 
     def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """After the 1-bit average of the momentum: the fresh variance from the reconstructed
