@@ -3,7 +3,10 @@
 ``OnebitAdam`` (Tang et al., 2021, arXiv 2102.02888) and ``OnebitLamb`` (Li et al., 2021, arXiv
 2104.06069) run their full-precision algorithm with a gradient all-reduce for ``freeze_step``
 warmup steps, then freeze the variance and average the momentum with an error-compensated 1-bit
-compressed all-reduce. Both are thin subclasses of :class:`onebit.engine.OnebitOptimizer`.
+compressed all-reduce. ``ZeroOneAdam`` (0/1 Adam; Lu et al., 2023, arXiv 2202.06009) refreshes the
+variance on a doubling schedule with every other step a 1-bit gradient average, then freezes it and
+takes local steps with 1-bit syncs on a doubling schedule. All three are thin subclasses of
+:class:`onebit.engine.OnebitOptimizer`.
 """
 
 from .backends import BACKEND_NAMES, CommBackend, LocalBackend
@@ -13,6 +16,7 @@ from .config import from_config
 from .adam import OnebitAdam
 from .engine import OnebitOptimizer, StepPlan
 from .lamb import OnebitLamb
+from .zoadam import ZeroOneAdam
 
 __version__ = "0.1.0"
 
@@ -25,6 +29,7 @@ __all__ = [
     "OnebitLamb",
     "OnebitOptimizer",
     "StepPlan",
+    "ZeroOneAdam",
     "compressed_allreduce_",
     "estimate_speedup",
     "from_config",

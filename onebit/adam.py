@@ -12,7 +12,7 @@ from .buckets import Bucket
 from .frozen import FrozenVarianceOptimizer
 from .validation import check_flag
 
-__all__ = ["OnebitAdam"]
+__all__ = ["OnebitAdam", "adam_step_", "descend_"]
 
 
 class OnebitAdam(FrozenVarianceOptimizer):
@@ -66,40 +66,51 @@ class OnebitAdam(FrozenVarianceOptimizer):
     def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """Adam on the bucket's averaged gradient: warmup, and ``compress=False`` groups."""
         beta1, beta2 = group["betas"]
-        m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]  # the padding stays 0: its gradient is 0
-        F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
-        if bucket.mask is not None:
-            m.mul_(bucket.mask)
-        bc1, bc2 = F.bias_corrections(t, t, beta1, beta2, group["bias_correction"])
-        updates = bucket.view(F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2))
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        if bucket.same_dtype:
-            if weight_decay != 0:
-                torch._foreach_add_(updates, bucket.params, alpha=weight_decay)
-            torch._foreach_add_(bucket.params, updates, alpha=-lr)
-            return
-        for u, p in zip(updates, bucket.params):
-            if weight_decay != 0:
-                u.add_(p, alpha=weight_decay)
-            p.add_(u.to(p.dtype), alpha=-lr)
+        adam_step_(bucket, group, *F.bias_corrections(t, t, beta1, beta2, group["bias_correction"]))
 
     def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
-        """After the 1-bit average of the momentum, the update with the frozen variance,
-        ``p <- p * (1 - lr * wd) - lr * (m / bc1) / denominator`` (one fused pass)."""
+        """After the 1-bit average of the momentum, the update with the frozen variance."""
         beta1, beta2 = group["betas"]
         bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
         denominators = self._frozen_denominator(bucket, group["eps"], bc2)
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        momenta = bucket.views["exp_avg"]
-        if bucket.same_dtype:
-            if weight_decay != 0:
-                torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
-            torch._foreach_addcdiv_(bucket.params, momenta, denominators, value=-lr / bc1)
-            return
-        for p, mom, d in zip(bucket.params, momenta, denominators):
-            u = torch.div(mom, d)
-            if bc1 != 1.0:
-                u.div_(bc1)
-            if weight_decay != 0:
-                u.add_(p, alpha=weight_decay)
-            p.add_(u.to(p.dtype), alpha=-lr)
+        descend_(bucket, bucket.views["exp_avg"], denominators, group["lr"], group["weight_decay"], bc1)
+
+
+def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: float = 1.0) -> None:
+    """Adam on the bucket's averaged gradient: both moments (the momentum masked), then
+    ``p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p)``."""
+    beta1, beta2 = group["betas"]
+    m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]  # the padding stays 0: its gradient is 0
+    F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
+    if bucket.mask is not None:
+        m.mul_(bucket.mask)
+    updates = bucket.view(F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2))
+    lr, weight_decay = group["lr"], group["weight_decay"]
+    if bucket.same_dtype:
+        if weight_decay != 0:
+            torch._foreach_add_(updates, bucket.params, alpha=weight_decay)
+        torch._foreach_add_(bucket.params, updates, alpha=-lr)
+        return
+    for u, p in zip(updates, bucket.params):
+        if weight_decay != 0:
+            u.add_(p, alpha=weight_decay)
+        p.add_(u.to(p.dtype), alpha=-lr)
+
+
+def descend_(bucket: Bucket, momenta: list[torch.Tensor], denominators: list[torch.Tensor], lr: float,
+             weight_decay: float, bc1: float = 1.0, params: list[torch.Tensor] | None = None) -> None:
+    """``p <- p * (1 - lr * weight_decay) - (lr / bc1) * m / denominator`` for each of the bucket's
+    parameters (or ``params``: float32 tensors of their shapes), one fused pass each."""
+    targets = bucket.params if params is None else params
+    if params is not None or bucket.same_dtype:
+        if weight_decay != 0:
+            torch._foreach_mul_(targets, 1.0 - lr * weight_decay)
+        torch._foreach_addcdiv_(targets, momenta, denominators, value=-lr / bc1)
+        return
+    for p, mom, d in zip(targets, momenta, denominators):
+        u = torch.div(mom, d)
+        if bc1 != 1.0:
+            u.div_(bc1)
+        if weight_decay != 0:
+            u.add_(p, alpha=weight_decay)
+        p.add_(u.to(p.dtype), alpha=-lr)

@@ -56,9 +56,10 @@ class Bucket:
             starts = [0, *itertools.accumulate(numels)]
             self.slices = [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]
             self.padded = self.numel
-        kwargs = {"dtype": torch.float32, "device": self.device}
-        self.buffers = {name: torch.zeros(self.padded, **kwargs) for name in buffers}
-        self.views = {name: self.view(buffer) for name, buffer in self.buffers.items()}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.views: dict[str, list[torch.Tensor]] = {}
+        for name in buffers:
+            self.add_buffer(name)
         self.scalars = {name: torch.full((len(params),), value, dtype=torch.float64, device=self.device)
                         for name, value in scalars.items()}
         # Flat scratch buffers (e.g. the gathered, all-reduced gradient and the update direction),
@@ -82,6 +83,17 @@ class Bucket:
         self.same_dtype = all(p.dtype == torch.float32 for p in params)
         self.compression = (CompressionState(self.padded, world_size, self.device, self.layout.edges)
                             if compress else None)
+
+    def add_buffer(self, name: str) -> None:
+        """Allocate the per-element state buffer ``name`` (zeros) and its views, if absent."""
+        if name not in self.buffers:
+            self.buffers[name] = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+            self.views[name] = self.view(self.buffers[name])
+
+    def drop_buffer(self, name: str) -> None:
+        """Free the state buffer ``name``, if present."""
+        self.buffers.pop(name, None)
+        self.views.pop(name, None)
 
     def view(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of a flat buffer in this bucket's layout."""

@@ -81,10 +81,15 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
     # What a subclass declares: per-element state buffers (param-shaped in the state dict), the
     # ones that must not be negative, per-parameter scalars with their initial values, the
     # buffer the momentum masks apply to, the group hyperparameters saved in checkpoints, and
-    # the names of its plans (in comm_stats order).
+    # the names of its plans (in comm_stats order). Buffers in _LAZY exist only in the phases
+    # that need them (_allocate / _release); the state dict holds them while they exist.
     _BUFFERS: ClassVar[tuple[str, ...]] = ()
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ()
     _SCALARS: ClassVar[dict[str, float]] = {}
+    _LAZY: ClassVar[tuple[str, ...]] = ()
+    # Whether compress=False buckets average their gradients in full precision on local steps too
+    # (else they take local steps with the compressed ones).
+    _AVERAGE_UNCOMPRESSED_ALWAYS: ClassVar[bool] = False
     _MASKED: ClassVar[str] = "exp_avg"
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
     PLAN_NAMES: ClassVar[tuple[str, ...]] = ()
@@ -201,13 +206,27 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         group = self.param_groups[index]
         for params in split_into_buckets(group["params"], self.bucket_size):
             bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
-                            self._BUFFERS, self._SCALARS)
+                            [name for name in self._BUFFERS if name not in self._LAZY], self._SCALARS)
             for i, p in enumerate(params):
                 self.state[p] = {**{name: views[i] for name, views in bucket.views.items()},
                                  **{name: values[i] for name, values in bucket.scalars.items()}}
             if bucket.device not in self._kernels:
                 self._kernels[bucket.device] = get_kernels(bucket.device, self._kernel_choice)
             self._buckets.append(bucket)
+
+    def _allocate(self, bucket: Bucket, name: str) -> None:
+        """Allocate the lazy buffer ``name`` of ``bucket`` (zeros) and enter it in the state."""
+        if name not in bucket.buffers:
+            bucket.add_buffer(name)
+            for p, view in zip(bucket.params, bucket.views[name]):
+                self.state[p][name] = view
+
+    def _release(self, bucket: Bucket, name: str) -> None:
+        """Free the lazy buffer ``name`` of ``bucket``."""
+        if name in bucket.buffers:
+            bucket.drop_buffer(name)
+            for p in bucket.params:
+                self.state[p].pop(name, None)
 
     # ----------------------------------------------------------------- public state
 
@@ -220,6 +239,13 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
     def phase(self) -> str:
         """The name of the next step's plan (e.g. ``'warmup'`` or ``'compression'``)."""
         return self.next_plan.name
+
+    @property
+    def replicas_identical(self) -> bool:
+        """Whether every rank holds the same parameters and state now (False between the syncs of
+        an algorithm with local steps); ``save_checkpoint(..., exact_resume=True)`` then saves
+        every rank's own."""
+        return True
 
     @property
     def step_count(self) -> int:
@@ -324,15 +350,21 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         compressed = [b for b in self._buckets if plan.compress and b.compression is not None]
         # Buckets that are not compressed all-reduce their gradients in full precision on every
         # step that communicates (a compress=False group), unless the caller averaged them.
-        averaged = [b for b in self._buckets if b not in compressed and (plan.average_gradients or plan.compress)]
+        communicates = plan.average_gradients or plan.compress
+        averaged = [b for b in self._buckets if b not in compressed
+                    and (communicates or (self._AVERAGE_UNCOMPRESSED_ALWAYS and b.compression is None))]
         with self._timed("gather_grads"):
             grads = [grads_of(b, b in averaged, inv_scale) for b in self._buckets]
         # Ranks agree on finiteness before anything changes. Full-precision all-reduces carry a NaN
-        # or inf to every rank by themselves; otherwise (a compressed step, or a local one on
-        # several ranks, whose step counts must stay equal) one scalar all-reduce does.
+        # or inf to every rank by themselves; a compressed step needs one scalar all-reduce. A step
+        # that communicates nothing needs none: a rank whose gradients are not finite leaves its own
+        # parameters and state as they are and the step still counts, so that every rank keeps the
+        # same plans; only nonfinite_grads='raise' (every rank raises) or gradients averaged on a
+        # local step make the ranks agree with the scalar all-reduce.
         local_bad = found_inf is not None and bool(found_inf.item() > 0)
-        communicates = plan.average_gradients or plan.compress
-        counted = bool(compressed) or (not communicates and self._backend.world_size > 1)
+        several = self._backend.world_size > 1
+        alone = not communicates and not averaged and self._health.nonfinite_grads == "skip"
+        counted = bool(compressed) or (not communicates and several and not alone)
         if counted:
             with self._timed("finite_check"):
                 local_bad = local_bad or not all_finite(grads)
@@ -350,6 +382,10 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         if not counted:
             with self._timed("finite_check"):
                 bad_ranks = int(local_bad or not all_finite(grads))
+        if bad_ranks and alone and several:
+            self._health.skip_alone(t, plan.name, self._backend.rank)
+            self._step = t
+            return True
         if bad_ranks:
             where = (f"on {bad_ranks} of {self._backend.world_size} ranks" if counted
                      else "in the averaged gradients" if communicates else "in the gradients")

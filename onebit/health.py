@@ -35,6 +35,7 @@ class Health:
         self.error_ratio: float | None = None  # worker error / compressed norm at the last check (local)
         self.error_ratio_agreed: float | None = None  # its mean over ranks, agreed at the next step
         self._warned: set[str] = set()  # the kinds of divergence warned about in the current episode
+        self._alone_at: int | None = None  # the last step this rank skipped alone
 
     def reset(self) -> None:
         """After a load: the measurements were of the state before it."""
@@ -51,9 +52,21 @@ class Health:
             logger.debug("onebit: step %d skipped on every rank: non-finite gradients %s", t, where)
         return False
 
+    def skip_alone(self, t: int, plan: str, rank: int) -> None:
+        """This rank's gradients are not finite on a step that communicates nothing: it skips its
+        own update and the step counts (no other rank is asked). Warned once per episode, here."""
+        self._alone_at = t
+        if "alone" not in self._warned:
+            self._warned.add("alone")
+            logger.warning("onebit: rank %d: non-finite gradients at step %d (a %s step, which communicates "
+                           "nothing): this rank leaves its parameters and state as they are; the step counts on "
+                           "every rank so that their plans stay the same", rank, t, plan)
+
     def count_skips(self, applied: bool, t: int, plan: str, rank: int) -> None:
         """Count skipped steps in a row; warn (or raise) once when they reach SKIPS_TO_WARN."""
         if applied:
+            if self._alone_at != t:
+                self._warned.discard("alone")
             if self.skipped_in_a_row >= SKIPS_TO_WARN and rank == 0:
                 logger.warning("onebit: step %d applied after %d skipped steps in a row", t, self.skipped_in_a_row)
             self.skipped_in_a_row = 0

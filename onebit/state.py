@@ -139,15 +139,19 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
         if p not in opt.state:
             continue  # not trainable here (requires_grad=False): nothing to restore
         entries[index] = _validate_entry(opt, index, p, state.get(index))
+    lazy = {frozenset(name for name in opt._LAZY if name in entry) for entry in entries.values()}
+    if len(lazy) > 1:
+        _fail(f"some parameters have {'/'.join(opt._LAZY)} and others do not; the checkpoint is corrupt")
     return LoadedState(step, schedule, hypers, entries)
 
 
 def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: Any) -> dict[str, Any]:
-    names = list(opt._BUFFERS) + list(opt._SCALARS)
+    names = [name for name in opt._BUFFERS if name not in opt._LAZY] + list(opt._SCALARS)
     if not isinstance(entry, Mapping) or any(name not in entry for name in names):
         _fail(f"no {'/'.join(names)} for parameter {index} of shape {tuple(p.shape)}; "
               "was it saved from a different model?")
-    for name in opt._BUFFERS:
+    names += [name for name in opt._LAZY if name in entry]
+    for name in (name for name in opt._BUFFERS if name in names):
         t = entry[name]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             _fail(f"{name} of parameter {index} must be a float tensor, got {type(t).__name__}")
@@ -179,7 +183,15 @@ def check_compression_errors(opt: OnebitOptimizer, errors: list[tuple[torch.Tens
 
 
 def apply_state(opt: OnebitOptimizer, loaded: LoadedState) -> None:
-    """Copy a validated state into ``opt``'s parameters' state and groups."""
+    """Copy a validated state into ``opt``'s parameters' state and groups (lazy buffers are
+    allocated or freed to match it)."""
+    present = next(iter(loaded.entries.values()), {})
+    for bucket in opt._buckets:
+        for name in opt._LAZY:
+            if name in present:
+                opt._allocate(bucket, name)
+            else:
+                opt._release(bucket, name)
     index = 0
     for group, hyper in zip(opt.param_groups, loaded.hyperparameters):
         for p in group["params"]:

@@ -103,8 +103,8 @@ def test_a_third_algorithm_on_the_engine_matches_its_oracle_on_gloo_ranks(tmp_pa
     assert (stats["full"]["steps"], stats["compressed"]["steps"], stats["local"]["steps"]) == (1, 2, 2)
     assert stats["full"]["collectives"] == 2  # the layout check and the gradient all-reduce
     assert stats["compressed"]["collectives"] == 2 * 3  # finiteness flag, all-to-all, all-gather
-    assert stats["local"]["collectives"] == 2  # only the finiteness flag: ranks must agree to skip
-    assert stats["local"]["bytes_sent"] == 2 * 8 * 2 * (n - 1) // n  # two floats, all-reduce
+    # Local steps communicate nothing (a rank with non-finite gradients skips alone: tests/test_zoadam.py).
+    assert stats["local"]["collectives"] == 0 and stats["local"]["bytes_sent"] == 0
 
 
 def test_plans_come_from_the_step_number():
