@@ -151,27 +151,38 @@ def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     ints, floats, strings, tensors, lists, dicts), then the manifest ``path``. Call it on every
     rank, with the same arguments.
 
-    ``exact_resume=True``: every rank also writes its own compression errors as a part, so that
-    :func:`load_checkpoint` on the same world size continues the run bit for bit; the ranks then
-    exchange their parts' digests (one all-gather) before rank 0 commits. Without it rank 0
-    commits alone and the other ranks write nothing.
+    ``exact_resume=True``: every rank also writes its own compression errors as a part (and,
+    while the ranks' replicas differ, as between the syncs of ``ZeroOneAdam``, its own optimizer
+    state and model state: ``model`` is then required), so that :func:`load_checkpoint` on the
+    same world size continues the run bit for bit; the ranks then exchange their parts' digests
+    (one all-gather) before rank 0 commits. Without it rank 0 commits alone and the other ranks
+    write nothing; a load then gives every rank rank 0's state.
     """
     path = Path(path)
     backend = optimizer.backend
     rank, n = backend.rank, backend.world_size
+    own = exact_resume and not optimizer.replicas_identical  # the same on every rank
+    if own and model is None:
+        raise ValueError(f"exact_resume at step {optimizer.step_count}: the ranks hold different parameters "
+                         f"(between the syncs of {type(optimizer).__name__}), so every rank must save its own; "
+                         "pass model=model to save_checkpoint")
     part_id = secrets.token_hex(_ID_BYTES)
     digest = None
     if exact_resume:
         errors = [(w.cpu().clone(), s.cpu().clone()) for w, s in optimizer.compression_errors()]
-        data = _serialize({"format": _FILE_MARKER + "-rank", "world_size": n, "rank": rank,
-                           "step": optimizer.step_count, "layout": optimizer.layout_digest(), "errors": errors})
+        part = {"format": _FILE_MARKER + "-rank", "world_size": n, "rank": rank, "step": optimizer.step_count,
+                "layout": optimizer.layout_digest(), "errors": errors}
+        if own:
+            part["optimizer"] = optimizer.state_dict()
+            part["model"] = _model_state(model)
+        data = _serialize(part)
         digest = hashlib.sha256(data).hexdigest()
         _atomic_write(data, _part_path(path, f"rank{rank}", part_id))
     if rank == 0:
         state = _serialize({
             "format": _FILE_MARKER + "-state",
             "optimizer": optimizer.state_dict(),
-            "model": None if model is None else {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "model": None if model is None else _model_state(model),
             "extra": extra,
         })
         state_digest = hashlib.sha256(state).hexdigest()
@@ -195,6 +206,10 @@ def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
             stale.unlink(missing_ok=True)
 
 
+def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
 def _read_state(path: Path, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
     if "parts" not in manifest:  # a single-file checkpoint of onebit 0.1
         return manifest
@@ -205,8 +220,9 @@ def _read_state(path: Path, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
     return state
 
 
-def _own_errors(path: Path, manifest: Mapping[str, Any], optimizer: OnebitOptimizer, step: Any) -> tuple[Any, str]:
-    """(this rank's saved compression errors, or None; the reason when None)."""
+def _own_part(path: Path, manifest: Mapping[str, Any], optimizer: OnebitOptimizer, step: Any,
+              model: torch.nn.Module | None) -> tuple[Any, str]:
+    """(this rank's part, or None; the reason when None)."""
     backend = optimizer.backend
     ranks = manifest.get("parts", {}).get("ranks")
     if not ranks:
@@ -222,7 +238,25 @@ def _own_errors(path: Path, manifest: Mapping[str, Any], optimizer: OnebitOptimi
         return None, str(exc)
     if mine.get("step") != step or mine.get("rank") != backend.rank:
         return None, f"rank part of {path} does not match the step or rank"
-    return mine["errors"], ""
+    if "optimizer" in mine and model is None:
+        return None, "this rank's parameters were saved with its state; pass model=model to load them"
+    mismatch = _model_mismatch(mine["model"], model) if "model" in mine and model is not None else None
+    return (None, mismatch) if mismatch else (mine, "")
+
+
+def _model_mismatch(saved: Any, model: torch.nn.Module) -> str | None:
+    """Why ``saved`` cannot be loaded into ``model``, or None."""
+    if not isinstance(saved, Mapping):
+        return "it holds no model state; save it with save_checkpoint(..., model=model)"
+    live = model.state_dict()
+    if set(saved) != set(live):
+        missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+        return f"the checkpoint is of a different model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+    for key, value in saved.items():
+        if not isinstance(value, torch.Tensor) or value.shape != live[key].shape:
+            return (f"the checkpoint is of a different model: {key} has shape "
+                    f"{tuple(getattr(value, 'shape', ()))}, the model has {tuple(live[key].shape)}")
+    return None
 
 
 def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, model: torch.nn.Module | None = None,
@@ -244,33 +278,27 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
         _fail(f"{path} has manifest version {manifest.get('version')}, newer than this onebit reads; upgrade onebit")
     payload = _read_state(path, manifest)
     sd = payload.get("optimizer")
-    if model is not None:
-        saved = payload.get("model")
-        if not isinstance(saved, Mapping):
-            _fail(f"{path} holds no model state; save it with save_checkpoint(..., model=model)")
-        live = model.state_dict()
-        if set(saved) != set(live):
-            missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
-            _fail(f"the checkpoint is of a different model (missing {missing[:5]}, unexpected {unexpected[:5]})")
-        for key, value in saved.items():
-            if not isinstance(value, torch.Tensor) or value.shape != live[key].shape:
-                _fail(f"the checkpoint is of a different model: {key} has shape "
-                      f"{tuple(getattr(value, 'shape', ()))}, the model has {tuple(live[key].shape)}")
-    errors = None
+    model_state = None if model is None else payload.get("model")
+    mismatch = None if model is None else _model_mismatch(model_state, model)
+    if mismatch:
+        _fail(f"{path}: {mismatch}")
+    mine = None
     backend = optimizer.backend
     if exact_resume:
         step = sd.get("onebit", {}).get("step") if isinstance(sd, Mapping) else None
-        errors, reason = _own_errors(path, manifest, optimizer, step)
+        mine, reason = _own_part(path, manifest, optimizer, step, model)
         if backend.world_size > 1:  # restore everywhere or nowhere
-            flag = torch.tensor([0.0 if errors is None else 1.0], device=_device(optimizer))
+            flag = torch.tensor([0.0 if mine is None else 1.0], device=_device(optimizer))
             backend.all_reduce_mean_(flag)
-            if errors is not None and float(flag.item()) < 1.0:
-                errors, reason = None, "another rank cannot restore its errors"
-        if errors is None:
-            logger.info("onebit: rank %d: exact resume not possible for %s (%s); compression errors reset",
-                        backend.rank, path, reason)
+            if mine is not None and float(flag.item()) < 1.0:
+                mine, reason = None, "another rank cannot restore its part"
+        if mine is None:
+            logger.info("onebit: rank %d: exact resume not possible for %s (%s); compression errors reset%s",
+                        backend.rank, path, reason, ", rank 0's state loaded" if backend.world_size > 1 else "")
+        elif "optimizer" in mine:  # the replicas differed when saved: this rank's own state
+            sd, model_state = mine["optimizer"], mine.get("model", model_state)
     # The optimizer validates everything before it changes anything; the model was checked above.
-    optimizer.restore(sd, compression_errors=errors)
+    optimizer.restore(sd, compression_errors=None if mine is None else mine["errors"])
     if model is not None:
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(model_state)
     return payload.get("extra")

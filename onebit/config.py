@@ -5,7 +5,7 @@ A whole DeepSpeed config is accepted as it is; only its optimizer section is rea
     {
       "train_batch_size": 4096,                      # other sections: ignored (one log line)
       "optimizer": {
-        "type": "OneBitAdam",                        # or "OneBitLamb"; case-insensitive
+        "type": "OneBitAdam",                        # or "OneBitLamb", "ZeroOneAdam"; case-insensitive
         "params": {"lr": 4e-4, "weight_decay": 0.01, "freeze_step": 23000,
                    "cuda_aware": false, "comm_backend_name": "nccl"}
       }
@@ -14,10 +14,16 @@ A whole DeepSpeed config is accepted as it is; only its optimizer section is rea
 ``params`` takes DeepSpeed's keys for that type (OneBitAdam: ``lr``, ``betas``, ``eps``,
 ``weight_decay``, ``freeze_step``, ``cuda_aware``, ``comm_backend_name``, ``bias_correction``;
 OneBitLamb: the same without ``bias_correction``, plus ``max_coeff``, ``min_coeff``,
-``coeff_beta``, ``factor_max``, ``factor_min``, ``factor_threshold``) and every other keyword
-argument of the optimizer that is a plain value (``bucket_size``, ``kernels``, ...):
+``coeff_beta``, ``factor_max``, ``factor_min``, ``factor_threshold``; ZeroOneAdam: ``lr``,
+``betas``, ``eps``, ``weight_decay``, ``var_freeze_step``, ``var_update_scaler``,
+``local_step_scaler``, ``local_step_clipper``, ``cuda_aware``, ``comm_backend_name``) and every
+other keyword argument of the optimizer that is a plain value (``bucket_size``, ``kernels``, ...):
 :data:`CONFIG_KEYS`. Only the keys present are passed on: every default is the optimizer's. Keys
-DeepSpeed accepted and ignored raise, with the reason.
+DeepSpeed accepted and ignored raise, with the reason, whatever their value: ``bias_correction``
+for OneBitLamb and ZeroOneAdam (neither has bias correction; DeepSpeed's examples of both set it
+to ``false``, which would be harmless, but ``true`` would be ignored, so the key is refused rather
+than read), ``max_grad_norm``, ``eps_inside_sqrt``, ``amsgrad``. ZeroOneAdam also refuses
+``freeze_step`` (1-bit Adam's; its first phase is ``var_freeze_step`` long).
 """
 
 from __future__ import annotations
@@ -37,13 +43,16 @@ from .adam import OnebitAdam
 from .engine import OnebitOptimizer
 from .lamb import DEEPSPEED_IGNORED as _LAMB_IGNORED
 from .lamb import OnebitLamb
+from .zoadam import DEEPSPEED_IGNORED as _ZOADAM_REFUSED
+from .zoadam import ZeroOneAdam
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["from_config", "load_config", "optimizer_kwargs", "CONFIG_KEYS"]
 
 # DeepSpeed's type names (matched case-insensitively, as DeepSpeed did) and what they build.
-OPTIMIZER_TYPES: dict[str, type[OnebitOptimizer]] = {"OneBitAdam": OnebitAdam, "OneBitLamb": OnebitLamb}
+OPTIMIZER_TYPES: dict[str, type[OnebitOptimizer]] = {
+    "OneBitAdam": OnebitAdam, "OneBitLamb": OnebitLamb, "ZeroOneAdam": ZeroOneAdam}
 OPTIMIZER_TYPE = "OneBitAdam"  # the one named in hints
 _SECTION = "optimizer"
 _YAML_SUFFIXES = (".yaml", ".yml")
@@ -73,6 +82,10 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eps": (_real, "a number"),
     "weight_decay": (_real, "a number"),
     "freeze_step": (_integer, "an integer (a number of steps)"),
+    "var_freeze_step": (_integer, "an integer (a number of steps)"),
+    "var_update_scaler": (_integer, "an integer (variance updates per interval)"),
+    "local_step_scaler": (_integer, "an integer (a number of steps)"),
+    "local_step_clipper": (_integer, "an integer (the largest sync interval, in steps)"),
     "bias_correction": (lambda v: isinstance(v, bool), "true or false"),
     "cuda_aware": (lambda v: isinstance(v, bool), "true or false"),
     "comm_backend_name": (_optional_str, "a string such as \"gloo\", \"nccl\", \"hccl\" or \"mpi\", or null"),
@@ -104,6 +117,14 @@ CONFIG_KEYS = {name: _config_keys(cls) for name, cls in OPTIMIZER_TYPES.items()}
 _DEEPSPEED_IGNORED = {
     "OneBitAdam": {key: why for key, why in _LAMB_IGNORED.items() if key != "bias_correction"},
     "OneBitLamb": _LAMB_IGNORED,
+    "ZeroOneAdam": {key: why for key, why in _ZOADAM_REFUSED.items() if key != "freeze_step"},
+}
+# Keys refused with a reason that DeepSpeed's optimizer of that type did not take either (a config
+# written for another type): 1-bit Adam's freeze_step in a ZeroOneAdam config.
+_OTHER_TYPES_KEYS = {
+    "OneBitAdam": {},
+    "OneBitLamb": {},
+    "ZeroOneAdam": {"freeze_step": _ZOADAM_REFUSED["freeze_step"]},
 }
 
 
@@ -201,13 +222,14 @@ def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[type[OnebitOptimizer], 
         raise TypeError(f"optimizer.type must be a string, got {kind!r} of type {type(kind).__name__}")
     matches = [name for name in OPTIMIZER_TYPES if name.lower() == kind.lower()]
     if not matches:
-        names = " or ".join(repr(name) for name in OPTIMIZER_TYPES)
+        *first, last = [repr(name) for name in OPTIMIZER_TYPES]
+        names = f"{', '.join(first)} or {last}"
         raise ValueError(
             f"unsupported optimizer type {kind!r}; onebit builds {names} (case-insensitive): "
             f"set \"type\": \"{OPTIMIZER_TYPE}\", for example, or build {kind!r} another way"
         )
     kind = matches[0]
-    keys, ignored = CONFIG_KEYS[kind], _DEEPSPEED_IGNORED[kind]
+    keys, ignored, foreign = CONFIG_KEYS[kind], _DEEPSPEED_IGNORED[kind], _OTHER_TYPES_KEYS[kind]
     params = section.get("params", {})
     if params is None:
         params = {}
@@ -220,6 +242,9 @@ def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[type[OnebitOptimizer], 
                 f"optimizer.params.{key} is not supported by {kind} ({ignored[key]}); DeepSpeed accepted "
                 f"and ignored it, onebit does not: remove {key!r} from the config"
             )
+        if key in foreign:
+            raise ValueError(f"optimizer.params.{key} is not a setting of {kind} ({foreign[key]}): "
+                             f"remove {key!r} from the config")
         if key not in keys:
             valid = ", ".join(repr(k) for k in keys)
             raise ValueError(f"unknown key {key!r} in optimizer.params of {kind}; expected some of {valid}")
@@ -238,8 +263,8 @@ def from_config(
     group: Any = None,
     momentum_masks: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> OnebitOptimizer:
-    """Build a ready :class:`OnebitAdam` or :class:`OnebitLamb` (with its backend) from a
-    DeepSpeed-style config.
+    """Build a ready :class:`OnebitAdam`, :class:`OnebitLamb` or :class:`ZeroOneAdam` (with its
+    backend) from a DeepSpeed-style config.
 
     Args:
         params: the model's parameters or param groups, as for any optimizer.

@@ -25,7 +25,7 @@ from .backends import CommBackend, resolve_backend
 from .buckets import (Bucket, all_finite, build_keep_mask, check_grads, check_layout, grads_of, set_masks,
                       split_into_buckets)
 from .collectives import finish_, start_server_, start_worker_
-from .health import HEALTH_CHECK_INTERVAL, Health
+from .health import HEALTH_CHECK_INTERVAL, Health, error_ratio
 from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
 from .state import StateDictContract
@@ -163,6 +163,10 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
     def _update_local(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
         """Update a bucket on a step that communicates nothing for it."""
         raise NotImplementedError
+
+    def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """This rank skipped its update of a step that communicates nothing (non-finite local
+        gradients) while the step counts: advance what must stay the same on every rank."""
 
     def _dead(self, bucket: Bucket) -> torch.Tensor | None:
         """Coordinates (bool over the padded buffer) whose compressed value is forced to 0 from the
@@ -336,9 +340,6 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         self._health.count_skips(applied, t, plan.name, rank)
         if applied and plan.compress:
             self._compressed_steps += 1
-            if self._compressed_steps % HEALTH_CHECK_INTERVAL == 0:
-                self._health.measure([(b.compression.worker_error, b.compressed, _segment_sizes(b))
-                                      for b in self._buckets if b.compression is not None and b.compressed is not None])
         self._backend.end_step(applied, time.perf_counter() - start)
         return loss
 
@@ -384,6 +385,8 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
                 bad_ranks = int(local_bad or not all_finite(grads))
         if bad_ranks and alone and several:
             self._health.skip_alone(t, plan.name, self._backend.rank)
+            for bucket in self._buckets:
+                self._skipped_alone(bucket, self.param_groups[bucket.group_index], t)
             self._step = t
             return True
         if bad_ranks:
@@ -411,12 +414,20 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
                         self._update_local(bucket, bucket_grads, self.param_groups[bucket.group_index], t)
         for bucket in compressed:
             start_server_(bucket.compression, self._backend, self._kernels_for(bucket))
+        # Every HEALTH_CHECK_INTERVAL-th compressed step measures the compression errors against
+        # what was compressed, before the update may reuse the buffer.
+        measure = bool(compressed) and (self._compressed_steps + 1) % HEALTH_CHECK_INTERVAL == 0
+        ratios = []
         for bucket in compressed:
             finish_(bucket.compressed, bucket.compression, self._kernels_for(bucket), bucket.frozen_keep)
             if bucket.frozen_keep is None and bucket.frozen_zeros is not None:
                 bucket.compressed.index_fill_(0, bucket.frozen_zeros, 0.0)
+            if measure:
+                ratios.append(error_ratio(bucket.compression.worker_error, bucket.compressed, _segment_sizes(bucket)))
             with self._timed("update"):
                 self._update_compressed(bucket, self.param_groups[bucket.group_index], t)
+        if measure:
+            self._health.error_ratio = max((r for r in ratios if r is not None), default=None)
         self._step = t
         return True
 

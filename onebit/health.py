@@ -11,7 +11,7 @@ import torch
 
 logger = logging.getLogger("onebit.engine")
 
-__all__ = ["Health", "SKIPS_TO_WARN", "ERROR_RATIO_TO_WARN", "HEALTH_CHECK_INTERVAL"]
+__all__ = ["Health", "SKIPS_TO_WARN", "ERROR_RATIO_TO_WARN", "HEALTH_CHECK_INTERVAL", "error_ratio"]
 
 # This many skipped steps in a row, or a tensor whose worker compression error is above this many
 # times the norm of what it compresses, checked every so many compression steps (two extra passes
@@ -78,20 +78,6 @@ class Health:
                   f"{t}, a {plan} step); the run may be diverging: lower the learning rate, or in compression "
                   "raise freeze_step", rank)
 
-    def measure(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor, list[int]]]) -> None:
-        """Record the largest ratio, over this rank's segments (tensors, or blocks of them), of the
-        worker compression error's norm to the compressed buffer's (``(error, buffer, segment
-        sizes)`` per bucket); segments whose buffer is 0 (masked) are left out."""
-        worst = None
-        for error, buffer, sizes in pairs:
-            errors = torch.stack(torch._foreach_norm(list(error.split(sizes))))
-            values = torch.stack(torch._foreach_norm(list(buffer.split(sizes))))
-            live = values > 0
-            if bool(live.any()):
-                ratio = float((errors[live] / values[live]).max())
-                worst = ratio if worst is None else max(worst, ratio)
-        self.error_ratio = worst
-
     def judge(self, agreed: float, t: int, rank: int) -> None:
         """The mean over ranks of the last measurement, agreed before step ``t``."""
         self.error_ratio, self.error_ratio_agreed = None, agreed
@@ -116,3 +102,13 @@ class Health:
             raise FloatingPointError(f"onebit: {message} (divergence='raise')")
         if rank == 0:
             logger.warning("onebit: %s", message)
+
+
+def error_ratio(error: torch.Tensor, buffer: torch.Tensor, sizes: Sequence[int]) -> float | None:
+    """The largest ratio, over a bucket's segments (tensors, or blocks of them), of the worker
+    compression error's norm to the compressed buffer's; segments whose buffer is 0 (masked) are
+    left out (None when all are)."""
+    errors = torch.stack(torch._foreach_norm(list(error.split(sizes))))
+    values = torch.stack(torch._foreach_norm(list(buffer.split(sizes))))
+    live = values > 0
+    return float((errors[live] / values[live]).max()) if bool(live.any()) else None

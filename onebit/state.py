@@ -139,9 +139,12 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
         if p not in opt.state:
             continue  # not trainable here (requires_grad=False): nothing to restore
         entries[index] = _validate_entry(opt, index, p, state.get(index))
-    lazy = {frozenset(name for name in opt._LAZY if name in entry) for entry in entries.values()}
-    if len(lazy) > 1:
-        _fail(f"some parameters have {'/'.join(opt._LAZY)} and others do not; the checkpoint is corrupt")
+    index_of = {id(p): index for index, p in params_by_index.items()}
+    for bucket in opt._buckets:  # a bucket's lazy buffers exist for all its parameters or none
+        present = {frozenset(n for n in opt._LAZY if n in entries.get(index_of[id(p)], {})) for p in bucket.params}
+        if len(present) > 1:
+            _fail(f"some parameters of one bucket have {'/'.join(opt._LAZY)} and others do not; the checkpoint "
+                  "is corrupt")
     return LoadedState(step, schedule, hypers, entries)
 
 
@@ -185,8 +188,10 @@ def check_compression_errors(opt: OnebitOptimizer, errors: list[tuple[torch.Tens
 def apply_state(opt: OnebitOptimizer, loaded: LoadedState) -> None:
     """Copy a validated state into ``opt``'s parameters' state and groups (lazy buffers are
     allocated or freed to match it)."""
-    present = next(iter(loaded.entries.values()), {})
+    params = [p for group in opt.param_groups for p in group["params"]]
+    entry_of = {id(p): loaded.entries.get(index, {}) for index, p in enumerate(params)}
     for bucket in opt._buckets:
+        present = entry_of[id(bucket.params[0])]
         for name in opt._LAZY:
             if name in present:
                 opt._allocate(bucket, name)

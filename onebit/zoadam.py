@@ -89,7 +89,9 @@ class ZeroOneAdam(OnebitOptimizer):
       its replicas drifted ~3e-7 per sync, never re-aligned);
     * tensors without gradients, masks and coordinates whose variance is 0 keep a zero momentum
       (1 bit cannot send 0; DeepSpeed would step them by ``lr * scale / eps``), also on local
-      steps; per-tensor compression scales in buckets (few collectives, DeepSpeed's numerics);
+      steps (in phase 2 such coordinates return to the sync point at every sync, so weight decay
+      does not act on them there); per-tensor compression scales in buckets (few collectives,
+      DeepSpeed's numerics);
     * checkpoints keep the schedule, the accumulator and the sync point; with
       ``onebit.save_checkpoint(..., exact_resume=True)`` every rank's own state between syncs
       (DeepSpeed reset the schedule and updated ``v`` from a local gradient: the ranks diverged);
@@ -247,6 +249,14 @@ class ZeroOneAdam(OnebitOptimizer):
         torch._foreach_addcdiv_(u, bucket.views["exp_avg"], bucket.denominators, value=-lr)
         descend_(bucket, bucket.views["exp_avg"], bucket.denominators, lr, weight_decay)
         bucket.scalars["lr_sum"].add_(lr)
+
+    def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """A local step this rank skipped (non-finite gradients): its accumulator and parameters
+        stay, but the sum of learning rates, which the sync divides by, advances on every rank."""
+        if bucket.compression is not None:
+            if "sync_point" not in bucket.buffers:
+                self._enter_phase_two(bucket)
+            bucket.scalars["lr_sum"].add_(group["lr"])
 
     def _enter_phase_two(self, bucket: Bucket) -> None:
         """The first phase-2 step of ``bucket``: the accumulator (zeros) and the sync point (the
