@@ -185,7 +185,7 @@ class ZeroOneAdam(OnebitOptimizer):
         adam_step_(bucket, group)
         if bucket.compression is not None:  # v changed: so may the coordinates kept at zero momentum
             bucket.frozen_mask_ready = False
-            bucket.denominator_key = None
+            bucket.denominator = None  # freed until the next compressed step (the peak stays Adam's)
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
         return bucket.buffers["exp_avg_sq"] == 0

@@ -77,3 +77,20 @@ def test_every_rank_follows_deepspeed(world_size, tmp_path):
     stats = results[0]["stats"]
     assert {k: stats[k]["steps"] for k in SHORT} == {k: kinds.count(SHORT[k]) for k in SHORT}
     assert stats["local"]["collectives"] == 0 and stats["local"]["bytes_sent"] == 0
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    for n in (2, 3):
+        with tempfile.TemporaryDirectory() as directory:
+            results = run_ranks(_train_rank, n, directory)
+        run = REFERENCE["runs"][n]
+        (name,) = run["names"]
+        worst = [max(column) for column in zip(*(
+            relative_differences({name: r["trajectory"]}, {name: run["trajectories"][name][rank]})
+            for rank, r in enumerate(results)))]
+        kinds = results[0]["kinds"]
+        by_kind = {k: max(d for d, kind in zip(worst, kinds) if kind == k) for k in "VGSL"}
+        print(f"n={n}: max over ranks of max|p - p_ds| / max|p_ds| per kind of step: "
+              + ", ".join(f"{k} {d:.2g}" for k, d in by_kind.items()))
