@@ -350,7 +350,8 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         compressed = [b for b in self._buckets if plan.compress and b.compression is not None]
         # Buckets that are not compressed all-reduce their gradients in full precision on every
-        # step that communicates (a compress=False group), unless the caller averaged them.
+        # step that communicates (a compress=False group; on every step at all with
+        # _AVERAGE_UNCOMPRESSED_ALWAYS), unless the caller averaged them.
         communicates = plan.average_gradients or plan.compress
         averaged = [b for b in self._buckets if b not in compressed
                     and (communicates or (self._AVERAGE_UNCOMPRESSED_ALWAYS and b.compression is None))]

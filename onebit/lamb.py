@@ -10,7 +10,7 @@ import torch
 from . import functional as F
 from .buckets import Bucket
 from .frozen import FrozenVarianceOptimizer
-from .validation import check_number
+from .validation import check_number, refuse
 
 __all__ = ["OnebitLamb"]
 
@@ -102,9 +102,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         factor_threshold: float = 0.1,
         **options: Any,
     ) -> None:
-        for key in DEEPSPEED_IGNORED:
-            if key in options:
-                raise TypeError(f"OnebitLamb does not take {key!r} ({DEEPSPEED_IGNORED[key]}); remove it")
+        refuse("OnebitLamb", options, DEEPSPEED_IGNORED)
         check_number("coeff_beta", coeff_beta, high=1.0, high_open=True)
         check_number("factor_min", factor_min)
         check_number("factor_max", factor_max)

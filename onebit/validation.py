@@ -90,3 +90,11 @@ def check_engine_options(bucket_size: Any, nonfinite_grads: Any, divergence: Any
             "or None for one scale per tensor"
         )
     check_flag("cuda_aware", cuda_aware)
+
+
+def refuse(owner: str, options: Mapping[str, Any], refused: Mapping[str, str]) -> None:
+    """Raise TypeError for the first key of ``options`` in ``refused`` (keys a DeepSpeed optimizer
+    accepted and ignored), naming its value and ``refused[key]``, the reason."""
+    for key, why in refused.items():
+        if key in options:
+            raise TypeError(f"{owner} does not take {key}={options[key]!r}: {why}; remove it")

@@ -13,7 +13,7 @@ from .adam import adam_step_, descend_
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
-from .validation import check_int
+from .validation import check_int, refuse
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +141,7 @@ class ZeroOneAdam(OnebitOptimizer):
         local_step_clipper: int = 16,
         **options: Any,
     ) -> None:
-        for key, why in DEEPSPEED_IGNORED.items():
-            if key in options:
-                raise TypeError(f"ZeroOneAdam does not take {key}={options[key]!r}: {why}")
+        refuse("ZeroOneAdam", options, DEEPSPEED_IGNORED)
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
         self._apply_schedule(self._check_schedule(schedule), log=False)

@@ -7,6 +7,7 @@ finish within ``timeout`` seconds (a hung collective) is killed and fails the te
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -73,3 +74,14 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 120.0
             continue
         results.append(torch.load(path, weights_only=False))
     return results
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run with one thread, as the ranks do (an oracle's gradients must be the ranks' bits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

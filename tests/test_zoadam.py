@@ -8,13 +8,12 @@ of step, lazy phase-2 state, non-finite gradients on steps that do and do not co
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run_ranks
+from distributed import one_thread, run_ranks
 from onebit import LocalBackend, OnebitAdam, StepPlan, ZeroOneAdam
 from onebit.engine import DEFAULT_BUCKET_SIZE
 from onebit.integrations import attach_ddp
@@ -229,17 +228,6 @@ def _optimizer(net: Net, backend: str | None, bucket_size: int = BUCKET, uncompr
                        momentum_masks={net.w1: _mask(net)}, **SCHEDULE, **where, **kwargs)
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """The ranks run with one thread; so does the oracle (its gradients must be the ranks')."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool = False,
            uncompressed: bool = False) -> dict:
     """0/1 Adam for ``n`` simulated ranks, tensor by tensor, from ZeroOneAdam's docstring, with
@@ -253,7 +241,7 @@ def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool 
     every step. Returns every rank's parameters after each step and the final state."""
     kinds, _ = deepspeed_schedule(T_V, KAPPA, ALPHA, H_MAX, steps, shift)
     b1, b2 = BETAS
-    with _one_thread():
+    with one_thread():
         net = Net()
         params = list(net.parameters())
         k = len(params)
