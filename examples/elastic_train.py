@@ -52,12 +52,26 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 12, generator=gen), torch.randn(16, 4, generator=gen)
 
 
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group(backend)`` from the launcher's environment, with the store's keys
+    under a prefix of their own for each restart (``TORCHELASTIC_RESTART_COUNT``).
+
+    torchrun's workers share its agent's store across restarts, and the process group's keys (each
+    rank's gloo address, the barrier counters) are the same in every attempt: a restarted rank
+    could read the address of a rank killed in the previous attempt and fail in gloo's connection
+    set-up, or wait on a stale counter. A prefix per attempt gives every attempt fresh keys."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}/", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # A bounded timeout: a rank blocked on a dead peer fails within a minute (gloo's default is 30)
     # and torchrun restarts the group; a restart whose gloo connection fails does the same.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     out = Path(args.out)
     checkpoint = out / "checkpoint.pt"
