@@ -92,10 +92,32 @@ def test_without_exact_resume_ranks_stay_identical_and_finite(tmp_path, uninterr
     assert not torch.equal(finals[0], uninterrupted)  # the errors were reset: a different, healthy run
 
 
+# 0/1 Adam (var_freeze_step 6, then syncs at steps 7, 8, 9, 11, 15, 19, 23): the saves at steps 10
+# and 20 fall between syncs, where every rank saves its own parameters and state; step 23 syncs.
+ZOADAM = ("--optimizer", "zoadam")
+ZOADAM_STEPS = 23
+ZOADAM_CRASHES = ",".join([
+    "train:1:12",      # between saves, after a checkpoint taken between syncs
+    "part:1:20",       # rank 1 half-way through its part (its own state, between syncs)
+    "exchange:0:20",   # every part complete, nothing committed yet
+    "committed:0:20",  # right after the commit
+])
+
+
+@pytest.mark.timeout(600)
+def test_zero_one_adam_resumes_bit_for_bit_after_crashes_between_syncs(tmp_path):
+    uninterrupted = _torchrun(tmp_path / "straight", 2, *ZOADAM, steps=ZOADAM_STEPS)
+    finals = _torchrun(tmp_path / "crashed", 2, *ZOADAM, crash=ZOADAM_CRASHES, steps=ZOADAM_STEPS)
+    assert all(torch.equal(a, b) for a, b in zip(finals, uninterrupted))
+    assert torch.equal(finals[0], finals[1])  # step 23 is a sync
+
+
 @pytest.mark.timeout(600)
 def test_a_restart_on_another_world_size_loads_and_resets_the_errors(tmp_path):
-    _torchrun(tmp_path, 2, steps=15)
-    finals = _torchrun(tmp_path, 3, steps=STEPS)
+    # 0/1 Adam's last checkpoint on 2 ranks is between syncs (step 20); 3 ranks load rank 0's state.
+    _torchrun(tmp_path, 2, *ZOADAM, steps=20)
+    finals = _torchrun(tmp_path, 3, *ZOADAM, steps=ZOADAM_STEPS)
     assert all(torch.equal(final, finals[0]) for final in finals) and bool(torch.isfinite(finals[0]).all())
     log = (tmp_path / "torchrun-1.log").read_text()
     assert log.count("exact resume not possible") == 3 and "it was saved on 2 ranks, this run has 3" in log
+    assert "resumes after step 20" in log
