@@ -76,15 +76,23 @@ class OnebitAdam(FrozenVarianceOptimizer):
         descend_(bucket, bucket.views["exp_avg"], denominators, group["lr"], group["weight_decay"], bc1)
 
 
-def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: float = 1.0) -> None:
+def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: float = 1.0,
+               denominator: torch.Tensor | None = None) -> None:
     """Adam on the bucket's averaged gradient: both moments (the momentum masked), then
-    ``p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p)``."""
+    ``p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p)``; the denominator is left
+    in ``denominator`` if given."""
     beta1, beta2 = group["betas"]
     m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]  # the padding stays 0: its gradient is 0
     F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
     if bucket.mask is not None:
         m.mul_(bucket.mask)
-    updates = bucket.view(F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2))
+    if denominator is None:
+        direction = F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2)
+    else:  # the same operations, the denominator kept
+        direction = torch.div(m, F.adam_denominator_(denominator, v, group["eps"], bc2), out=bucket.scratch("update"))
+        if bc1 != 1.0:
+            direction.div_(bc1)
+    updates = bucket.view(direction)
     lr, weight_decay = group["lr"], group["weight_decay"]
     if bucket.same_dtype:
         if weight_decay != 0:

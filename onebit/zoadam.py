@@ -87,10 +87,11 @@ class ZeroOneAdam(OnebitOptimizer):
     * ``p.grad`` is never written (DeepSpeed overwrote it with the compressed average);
     * after a sync the parameters are bit-identical on every rank (DeepSpeed subtracted ``u`` and
       its replicas drifted ~3e-7 per sync, never re-aligned);
-    * tensors without gradients, masks and coordinates whose variance is 0 keep a zero momentum
-      (1 bit cannot send 0; DeepSpeed would step them by ``lr * scale / eps``), also on local
-      steps (in phase 2 such coordinates return to the sync point at every sync, so weight decay
-      does not act on them there); per-tensor compression scales in buckets (few collectives,
+    * masked coordinates and those whose variance is 0 (tensors without gradients among them)
+      are not moved by their momentum (1 bit cannot send 0; DeepSpeed would step them by
+      ``lr * scale / eps``): their 1-bit averages are 0 and their denominator ``+inf``, also on
+      local steps; masked momenta stay exactly 0 (in phase 2 such coordinates return to the sync
+      point at every sync, so weight decay does not act on them there); per-tensor compression scales in buckets (few collectives,
       DeepSpeed's numerics);
     * checkpoints keep the schedule, the accumulator and the sync point; with
       ``onebit.save_checkpoint(..., exact_resume=True)`` every rank's own state between syncs
@@ -145,7 +146,9 @@ class ZeroOneAdam(OnebitOptimizer):
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
         self._apply_schedule(self._check_schedule(schedule), log=False)
-        self._zeros: dict[int, torch.Tensor | None] = {}  # per bucket: coordinates whose momentum is kept 0
+        # Per bucket: how many coordinates had a zero variance when its keep mask was last built
+        # (None: not built); a variance step can only make them fewer.
+        self._zero_variance: dict[int, int | None] = {}
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay)
         super().__init__(params, defaults, **options)
@@ -180,19 +183,29 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """Adam on the averaged gradient: a variance step (and every step of a compress=False group)."""
-        adam_step_(bucket, group)
-        if bucket.compression is not None:  # v changed: so may the coordinates kept at zero momentum
+        if bucket.compression is None:
+            adam_step_(bucket, group)
+            return
+        # v changes: the denominator is computed here once for this step and the next compressed
+        # ones; the keep mask is rebuilt only if a coordinate with a zero variance got one.
+        adam_step_(bucket, group, denominator=self._denominator_buffer(bucket))
+        bucket.denominator_key = ("fresh", group["eps"])  # sqrt(v) + eps, still to be marked (see _denominator)
+        known = self._zero_variance.get(id(bucket))
+        if known != 0 and (known is None or known != int((bucket.buffers["exp_avg_sq"] == 0).sum())
+                           - (bucket.padded - bucket.numel)):  # they only become fewer: the same count, the same set
             bucket.frozen_mask_ready = False
-            bucket.denominator = None  # freed until the next compressed step (the peak stays Adam's)
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.buffers["exp_avg_sq"] == 0
+        dead = bucket.buffers["exp_avg_sq"] == 0
+        self._zero_variance[id(bucket)] = int(dead.sum()) - (bucket.padded - bucket.numel)
+        return dead
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
         if t > self.var_freeze_step:  # a sync: the local step, then the accumulator in momentum space
             self._local_step(bucket, grads, group)
-            u = bucket.buffers["momentum_accumulator"]
-            return u.mul_(self._denominator(bucket, group["eps"]))
+            u = bucket.buffers["momentum_accumulator"].mul_(self._denominator(bucket, group["eps"]))
+            # Where the denominator is infinite (coordinates kept still, the padding) send 0, not inf or NaN.
+            return u.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         buffer = bucket.scratch("grad")  # a compressed-gradient step: the local gradients
         for view, g in zip(bucket.view(buffer), grads):
             view.zero_() if g is None else view.copy_(g)
@@ -234,10 +247,9 @@ class ZeroOneAdam(OnebitOptimizer):
         if "sync_point" not in bucket.buffers:
             self._enter_phase_two(bucket)
         F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
+        if bucket.mask is not None:  # the masks' promise: the momentum is 0 there (it moves nothing either way)
+            bucket.buffers["exp_avg"].mul_(bucket.mask)
         self._denominator(bucket, group["eps"])
-        zeros = self._zeros.get(id(bucket))
-        if zeros is not None:
-            bucket.buffers["exp_avg"].masked_fill_(zeros, 0.0)
         lr, weight_decay = group["lr"], group["weight_decay"]
         # u first: it reads the parameters before this step's update, as d does.
         u = bucket.views["momentum_accumulator"]
@@ -272,20 +284,25 @@ class ZeroOneAdam(OnebitOptimizer):
             logger.info("onebit: step %d: variance frozen; local steps with 1-bit syncs from now on",
                         self._step + 1)
 
+    def _denominator_buffer(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.denominator is None:
+            bucket.denominator = torch.empty_like(bucket.buffers["exp_avg_sq"])
+        return bucket.denominator
+
     def _denominator(self, bucket: Bucket, eps: float) -> torch.Tensor:
-        """The flat ``sqrt(v) + eps`` (cached until ``v`` changes or a load), with its views in
-        ``bucket.denominators``; refreshes the coordinates whose momentum is kept 0 (masked, or
-        ``v == 0``) with it."""
-        if bucket.denominator is None or bucket.denominator_key != eps:
+        """The flat ``sqrt(v) + eps`` (computed again when ``v`` changes or after a load), with its
+        views in ``bucket.denominators``. It is ``+inf`` where the momentum must not move the
+        parameters (masked coordinates, and zero-variance ones, whose 1-bit average cannot be 0):
+        their updates ``m / denominator`` are 0 on every step, local ones too, at no cost per step."""
+        if bucket.denominator_key != eps or bucket.denominator is None:
             v = bucket.buffers["exp_avg_sq"]
-            if bucket.denominator is None:
-                bucket.denominator = torch.empty_like(v)
-            F.adam_denominator_(bucket.denominator, v, eps)
-            bucket.denominators = bucket.view(bucket.denominator)
-            bucket.denominator_key = eps
-            zeros = v == 0
+            denominator = self._denominator_buffer(bucket)
+            if bucket.denominator_key != ("fresh", eps):
+                F.adam_denominator_(denominator, v, eps)
+            still = v == 0
             if bucket.mask is not None:
-                zeros |= bucket.mask == 0
-            zeros &= bucket.real()
-            self._zeros[id(bucket)] = zeros if bool(zeros.any()) else None
+                still |= bucket.mask == 0
+            denominator.masked_fill_(still, float("inf"))
+            bucket.denominators = bucket.view(denominator)
+            bucket.denominator_key = eps
         return bucket.denominator
