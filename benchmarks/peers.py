@@ -13,7 +13,17 @@ order rotated by ``r``), so that a change of load on the machine hits every conf
 * ``onebit_ddp_nosync_compression`` (optional): the same, with backward run under
   ``ddp.no_sync()`` in the compression phase (DDP then neither copies nor hooks the gradients);
 * ``onebit_ddp_view_compression`` (optional): DDP with ``gradient_as_bucket_view=True`` +
-  ``attach_ddp`` (the gradients live in DDP's buckets, so there is nothing to copy back).
+  ``attach_ddp`` (the gradients live in DDP's buckets, so there is nothing to copy back);
+* ``zoadam_phase1``, ``zoadam_compressed_gradient``, ``zoadam_phase2``: ``ZeroOneAdam`` (0/1 Adam),
+  each timing one or two kinds of step per round (``ZOADAM_PARTS``), recorded under their own
+  names: ``zoadam_variance`` (full-precision gradient all-reduce) and, right after it,
+  ``zoadam_compressed_gradient_after_variance`` (1-bit gradient all-reduce; after a variance step
+  it also rebuilds the frozen-coordinate mask and the denominator, as ``v`` changed);
+  ``zoadam_compressed_gradient`` (the same after another such step); ``zoadam_local`` (no
+  communication) and, right after it, ``zoadam_sync`` (1-bit all-reduce of the accumulated
+  update). Each has a schedule in which its kinds recur (``zoadam_schedule``); before each timed
+  step it takes untimed steps until the next one is of the kind wanted (plans come from the step
+  number, so every rank takes the same ones). ``slowlink.py`` weights them by a real schedule.
 
 Each step is timed from a barrier to the end of ``optimizer.step()``, split into forward+backward
 (which includes DDP's overlapped all-reduce) and the optimizer step. When ``ONEBIT_BENCH_IFNAME``
@@ -44,12 +54,22 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from onebit import OnebitAdam
+from onebit import OnebitAdam, ZeroOneAdam
 from onebit.estimate import measure_local_costs
 from onebit.integrations import attach_ddp
 
 DEFAULT_CONFIGS = ("adam", "powersgd1", "powersgd4", "onebit_warmup", "onebit_compression")
 ONEBIT_DDP_CONFIGS = ("onebit_ddp_compression", "onebit_ddp_nosync_compression", "onebit_ddp_view_compression")
+#: ZeroOneAdam configurations: the steps each times in a round, in order: (the name its times are
+#: recorded under, the kind of step, the kind the step before it must be).
+ZOADAM_PARTS = {
+    "zoadam_phase1": (("zoadam_variance", "variance", "compressed_gradient"),
+                      ("zoadam_compressed_gradient_after_variance", "compressed_gradient", "variance")),
+    "zoadam_compressed_gradient": (("zoadam_compressed_gradient", "compressed_gradient", "compressed_gradient"),),
+    "zoadam_phase2": (("zoadam_local", "local", "sync"), ("zoadam_sync", "sync", "local")),
+}
+ZOADAM_CONFIGS = tuple(ZOADAM_PARTS)
+DEFAULT_CONFIGS += ZOADAM_CONFIGS
 ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS
 COUNTER_FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
 
@@ -97,12 +117,33 @@ def serialized_powersgd_hook(state, bucket):  # unannotated: DDP checks the anno
     return fut
 
 
+def zoadam_schedule(name: str, repeats: int) -> dict[str, int]:
+    """ZeroOneAdam's schedule for configuration ``name``, in which its kinds of step recur for the
+    ``repeats`` rounds it times (warmup + rounds):
+
+    * phase1: ``var_update_scaler`` ``repeats``: ``repeats`` variance steps, then variance and
+      compressed_gradient steps alternate for ``2 * repeats`` steps;
+    * compressed_gradient: ``var_update_scaler`` 1: variance only at steps ``2**k - 1``;
+    * phase2: ``var_freeze_step`` 1, sync interval 2 from step 3 on: local and sync alternate.
+    """
+    never = 10**9
+    return {
+        "zoadam_phase1": dict(var_freeze_step=never, var_update_scaler=max(1, repeats)),
+        "zoadam_compressed_gradient": dict(var_freeze_step=never, var_update_scaler=1),
+        "zoadam_phase2": dict(var_freeze_step=1, local_step_scaler=1, local_step_clipper=2),
+    }[name]
+
+
 class Config:
     def __init__(self, name: str, args: argparse.Namespace, seed: int) -> None:
         self.name = name
         self.model = make_model(args.params, args.width, seed)
-        self.onebit = name.startswith("onebit")
+        self.onebit = name.startswith(("onebit", "zoadam"))
         self.forward = self.model
+        # (record name, kind, kind before) of each step timed per round; kinds None: any step
+        self.parts = ZOADAM_PARTS.get(name, ((name, None, None),))
+        self.last_kind: str | None = None
+        self.untimed_steps = 0
         if name == "adam" or name.startswith("powersgd"):
             self.forward = DDP(self.model)
             if name.startswith("powersgd"):
@@ -121,16 +162,43 @@ class Config:
                 self.no_sync = name == "onebit_ddp_nosync_compression"
             else:
                 self.optimizer.register_timer(TIMERS)
+        elif name in ZOADAM_PARTS:
+            self.optimizer = ZeroOneAdam(self.model.parameters(), lr=1e-5, comm_backend_name="gloo",
+                                         kernels=args.kernels,
+                                         **zoadam_schedule(name, args.warmup_steps + args.rounds))
         else:
             raise ValueError(f"unknown configuration {name!r}; expected one of {', '.join(ALL_CONFIGS)}")
-        self.records: list[dict] = []
+        self.records: dict[str, list[dict]] = {part: [] for part, _, _ in self.parts}
 
     def _sync_context(self):
         if getattr(self, "no_sync", False) and self.optimizer.phase == "compression":
             return self.forward.no_sync()
         return contextlib.nullcontext()
 
+    def _advance(self, x: torch.Tensor, kind: str | None, before: str | None) -> None:
+        """Untimed steps until the next one is a ``kind`` step after a ``before`` step (the same
+        steps on every rank: plans come from the step number)."""
+        if kind is None:
+            return
+        for taken in range(10_001):
+            if self.optimizer.next_plan.name == kind and self.last_kind == before:
+                return
+            if taken == 10_000:
+                raise RuntimeError(f"{self.name}: no {kind} step after a {before} step in 10,000 steps")
+            self.last_kind = self.optimizer.next_plan.name
+            self.optimizer.zero_grad()
+            self.forward(x).square().mean().backward()
+            self.optimizer.step()
+            self.untimed_steps += 1
+
     def step(self, x: torch.Tensor, record: bool) -> None:
+        """One timed step of each part (one, or two for some ZeroOneAdam configurations)."""
+        for part, kind, before in self.parts:
+            self._advance(x, kind, before)
+            self._timed_step(x, self.records[part] if record else None)
+
+    def _timed_step(self, x: torch.Tensor, records: list[dict] | None) -> None:
+        kind = self.optimizer.next_plan.name if self.onebit else None
         dist.barrier()
         before = _counters()
         timers: dict[str, float] = {}
@@ -144,7 +212,8 @@ class Config:
         end, cpu_end = time.perf_counter(), time.process_time()
         TIMERS.active = None
         after = _counters()
-        if not record:
+        previous, self.last_kind = self.last_kind, kind
+        if records is None:
             return
         row = {"step_s": end - start, "fwd_bwd_s": middle - start, "opt_s": end - middle, "cpu_s": cpu_end - cpu_start,
                "profile": timers}
@@ -154,7 +223,8 @@ class Config:
             stats = self.optimizer.comm_stats()
             row["phase"] = stats["phase"]
             row["onebit"] = stats["last_step"]
-        self.records.append(row)
+            row["kind"], row["after"] = kind, previous
+        records.append(row)
 
 
 def _measure_costs(args: argparse.Namespace, numel: int, world: int) -> dict:
@@ -184,11 +254,14 @@ def run_steps(args: argparse.Namespace, rank: int, world: int) -> dict:
         if r < args.cost_rounds:
             costs.append(_measure_costs(args, numel, world))
     median = {k: statistics.median(c[k] for c in costs) for k in costs[0]} if costs else None
-    buckets = {c.name: c.optimizer.num_buckets for c in configs if c.onebit}
+    buckets = {part: c.optimizer.num_buckets for c in configs if c.onebit for part in c.records}
+    zoadam = {part: {"config": c.name, "kind": kind, "after": before, "untimed_steps_of_config": c.untimed_steps,
+                     "schedule": zoadam_schedule(c.name, args.warmup_steps + args.rounds)}
+              for c in configs if c.name in ZOADAM_PARTS for part, kind, before in c.parts}
     return {"rank": rank, "world_size": world, "numel": numel, "tensors": tensors, "batch": args.batch,
             "width": args.width, "rounds": args.rounds, "wall_s": time.perf_counter() - started,
-            "buckets": buckets, "local_costs": median, "local_costs_by_round": costs,
-            "configs": {c.name: c.records for c in configs}}
+            "buckets": buckets, "zoadam": zoadam, "local_costs": median, "local_costs_by_round": costs,
+            "configs": {part: records for c in configs for part, records in c.records.items()}}
 
 
 def run_scaling(args: argparse.Namespace, rank: int, world: int) -> dict:
@@ -220,6 +293,13 @@ def _scaling_row(args: argparse.Namespace, rank: int, size: int, group, count: i
             "steps": steps}
 
 
+def _config_names(text: str) -> list[str]:
+    names = []
+    for name in text.split(","):
+        names += ZOADAM_CONFIGS if name == "zoadam" else [name]
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("steps", "scaling"), default="steps")
@@ -231,7 +311,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--cost-rounds", type=int, default=5,
                         help="rounds after which the estimator's local costs are measured (median)")
-    parser.add_argument("--configs", type=lambda s: s.split(","), default=list(DEFAULT_CONFIGS))
+    parser.add_argument("--configs", type=_config_names, default=list(DEFAULT_CONFIGS),
+                        help="comma-separated configuration names; 'zoadam' stands for all of " + ", ".join(ZOADAM_CONFIGS))
     parser.add_argument("--tensors", type=lambda s: [int(v) for v in s.split(",")], default=[10, 1000])
     parser.add_argument("--worlds", type=lambda s: [int(v) for v in s.split(",")], default=[2, 3, 4],
                         help="scaling: world sizes (subgroups of the launched ranks)")

@@ -6,10 +6,13 @@
 For each rate it builds a private network (``benchmarks/netns.py``: one namespace per rank, veth
 pairs, ``tc tbf``), starts one rank per namespace (``benchmarks/peers.py``) and times, interleaved
 in the same run: DDP + Adam, DDP + PowerSGD (rank 1 and 4) + Adam, OnebitAdam in warmup and in
-compression. It reads bytes per step from ``OnebitAdam.comm_stats()`` and from the veth counters,
-compares them with the ideals, profiles the compression step (codec, wire, optimizer maths), and
-prints :func:`onebit.estimate_speedup` next to the measured speedup. Then, on loopback, it counts
-collectives and bytes per compression step for 2, 3 and 4 ranks and for 10 and 1000 tensors.
+compression, and ZeroOneAdam (0/1 Adam) on each of its kinds of step. It reads bytes per step from
+``comm_stats()`` and from the veth counters, compares them with the ideals, profiles the compression
+step (codec, wire, optimizer maths), prints :func:`onebit.estimate_speedup` next to the measured
+speedup, and averages the time and bytes per step of 0/1 Adam, 1-bit Adam and DDP + Adam over a
+whole run (``--run-schedule``: the per-kind medians weighted by the kinds' counts in that schedule,
+``benchmarks/run_average.py``). Then, on loopback, it counts collectives and bytes per compression
+step for 2, 3 and 4 ranks and for 10 and 1000 tensors.
 
 It writes ``peers.json`` (raw numbers), ``peers.md`` (tables) and ``peers.png`` (chart) to
 ``--out-dir`` (default ``benchmarks/results``). Without root or iproute2 it says so and runs the
@@ -40,7 +43,8 @@ from onebit.estimate import TCP_ETHERNET_EFFICIENCY, estimate_speedup, measure_l
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402
-from peers import make_model as peers_model  # noqa: E402
+import run_average  # noqa: E402
+from peers import ZOADAM_PARTS, make_model as peers_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers.py"
@@ -55,6 +59,11 @@ LABELS = {
     "onebit_ddp_compression": "DDP + attach_ddp + OnebitAdam compression",
     "onebit_ddp_nosync_compression": "DDP (no_sync) + attach_ddp + OnebitAdam compression",
     "onebit_ddp_view_compression": "DDP (gradient_as_bucket_view) + attach_ddp + OnebitAdam compression",
+    "zoadam_variance": "ZeroOneAdam variance",
+    "zoadam_compressed_gradient": "ZeroOneAdam compressed_gradient",
+    "zoadam_compressed_gradient_after_variance": "ZeroOneAdam compressed_gradient after variance",
+    "zoadam_local": "ZeroOneAdam local",
+    "zoadam_sync": "ZeroOneAdam sync",
 }
 
 
@@ -182,6 +191,9 @@ def summarize_steps(ranks: list[dict]) -> dict:
             row["collectives"] = per_rank[0][-1]["onebit"]["collectives"]
             row["comm_s"] = _median(x["onebit"]["comm_time_s"] for x in per_rank[0])
             row["phase"] = per_rank[0][-1]["phase"]
+            # the kinds of step timed (plan names before each step; for ZeroOneAdam each with the kind before it)
+            row["kinds"] = sorted({(x.get("kind"), x.get("after") if name in first.get("zoadam", {}) else None)
+                                  for rows in per_rank for x in rows}, key=str)
         if "link" in per_rank[0][0]:
             link = []
             for rows in per_rank:
@@ -205,6 +217,7 @@ def summarize_steps(ranks: list[dict]) -> dict:
             row["speedup_vs_adam_paired_median"] = _median(paired)
     return {"world_size": n, "numel": numel, "tensors": first["tensors"], "batch": first["batch"],
             "width": first["width"], "rounds": first["rounds"], "buckets": first["buckets"],
+            "zoadam": first.get("zoadam", {}),
             "ideal_1bit_bytes": ideal_1bit, "fp32_ring_bytes": fp32_ring,
             "load_average_1min_at_end": max(r["load_average_1min"] for r in ranks),
             "local_costs": first["local_costs"], "configs": configs}
@@ -349,6 +362,7 @@ def markdown(result: dict) -> str:
                     out.append(f"| {what} | {e['codec_gbps']:.2f} | {_ms(e['adam_step_s'])} | {_ms(e['onebit_step_s'])} | "
                                f"{_ms(e['baseline_step_s'])} | {_ms(e['compressed_step_s'])} | {e['speedup']:.2f}x | "
                                f"{e['measured_speedup']:.2f}x | {e['error'] * 100:+.0f}% |")
+        out += run_average.run_average_markdown(s, LABELS)
         out.append("")
     if result.get("scaling"):
         out += ["## Scaling (loopback): one compression step", "",
@@ -373,8 +387,14 @@ def chart(result: dict, path: Path) -> bool:
     runs = [r for r in result["runs"]]
     names = list(runs[0]["summary"]["configs"])
     estimated = [r for r in runs if r["summary"].get("estimate")]
-    fig, axes = plt.subplots(1, 3 if estimated else 2, figsize=(16 if estimated else 12, 4.5),
-                             gridspec_kw={"width_ratios": [3, 3, 2] if estimated else [1, 1]})
+    averaged = [r for r in runs if r["summary"].get("run_average")]
+    panels = 2 + bool(estimated) + bool(averaged)
+    if panels == 4:
+        fig, grid = plt.subplots(2, 2, figsize=(16, 9))
+        axes = list(grid.flat)
+    else:
+        fig, axes = plt.subplots(1, panels, figsize=(16 if panels == 3 else 12, 4.5),
+                                 gridspec_kw={"width_ratios": [3, 3, 2] if panels == 3 else [1, 1]})
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [j + i * width for j in range(len(runs))]
@@ -383,7 +403,7 @@ def chart(result: dict, path: Path) -> bool:
     axes[0].set_xticklabels([f"{r['rate_gbit']:g} Gbit/s" if r["rate_gbit"] else "loopback" for r in runs])
     axes[0].set_ylabel("step time, median (ms)")
     axes[0].set_title(f"{runs[0]['summary']['numel'] / 1e6:.1f}M params, {runs[0]['summary']['world_size']} ranks")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8 if len(names) < 8 else 7)
     s = runs[0]["summary"]
     bars = {"fp32 ring ideal": s["fp32_ring_bytes"], "1-bit ideal": s["ideal_1bit_bytes"]}
     for name, row in s["configs"].items():
@@ -391,8 +411,10 @@ def chart(result: dict, path: Path) -> bool:
             bars[LABELS[name] + " (veth)"] = max(x["tcp_payload_bytes"] for x in row["link_per_rank"])
         elif row.get("stats_bytes_per_rank"):
             bars[LABELS[name] + " (stats)"] = max(row["stats_bytes_per_rank"])
+    bars = {k: v for k, v in bars.items() if v > 0}  # a log axis: local steps send nothing
     axes[1].barh(list(bars), [v / 1e6 for v in bars.values()], color="tab:gray")
     axes[1].set_xscale("log")
+    axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[1].set_xlabel("MB sent per rank per step (log)")
     axes[1].set_title("bytes per step" + (" (first rate)" if len(runs) > 1 else ""))
     if estimated:
@@ -407,6 +429,19 @@ def chart(result: dict, path: Path) -> bool:
         axes[2].set_ylabel("compression step vs DDP + Adam")
         axes[2].set_title("speedup: measured and estimated")
         axes[2].legend(fontsize=8)
+    if averaged:
+        ax = axes[-1]
+        keys = list(averaged[0]["summary"]["run_average"]["optimizers"])
+        width = 0.8 / len(keys)
+        for i, key in enumerate(keys):
+            rows = [r["summary"]["run_average"]["optimizers"].get(key) for r in averaged]
+            ax.bar([j + i * width for j in range(len(averaged))], [row["step_s"] * 1e3 if row else 0 for row in rows],
+                   width, label=rows[0]["label"] if rows[0] else key)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(averaged))])
+        ax.set_xticklabels([f"{r['rate_gbit']:g} Gbit/s" if r["rate_gbit"] else "loopback" for r in averaged])
+        ax.set_ylabel("mean step time over the run (ms)")
+        ax.set_title(f"mean step over a {averaged[0]['summary']['run_average']['schedule']['steps']}-step run")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -426,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--configs", default=None, help="comma-separated, from: " + ", ".join(LABELS))
+    configs = [name for name in LABELS if not name.startswith("zoadam")] + list(ZOADAM_PARTS)
+    parser.add_argument("--configs", default=None, help="comma-separated, from: " + ", ".join(configs)
+                        + "; 'zoadam' stands for " + ",".join(ZOADAM_PARTS))
     parser.add_argument("--mtu", type=int, default=1500)
     parser.add_argument("--loopback", action="store_true", help="time the peers on loopback, no namespaces")
     parser.add_argument("--no-scaling", action="store_true")
@@ -436,16 +473,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="output file stem (default peers, or quick with --quick)")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="measure nothing: recompute the estimates, tables and chart of a stored peers.json")
+    parser.add_argument("--run-schedule", default=None,
+                        help="the run the per-step averages describe, as key=value overrides of "
+                             + ",".join(f"{k}={v}" for k, v in run_average.RUN_SCHEDULE.items())
+                             + " (freeze_step, OnebitAdam's, follows var_freeze_step unless given)")
     args = parser.parse_args(argv)
+    try:
+        schedule = run_average.parse_schedule(args.run_schedule)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.from_json is not None:
-        return rewrite(args.from_json, args.out_dir, args.name or args.from_json.stem)
+        return rewrite(args.from_json, args.out_dir, args.name or args.from_json.stem,
+                       schedule if args.run_schedule else None)
 
     quick = args.quick
     params = args.params or (1e6 if quick else 25.2e6)
     width = args.width or (256 if quick else 2048)
     batch = args.batch or (16 if quick else 32)
     rounds = args.rounds or (3 if quick else 8)
-    timeout = args.timeout_s or (45 if quick else 900)
+    timeout = args.timeout_s or (120 if quick else 900)
     peer_args = ["--params", str(params), "--width", str(width), "--batch", str(batch), "--rounds", str(rounds),
                  "--cost-rounds", "1" if quick else "5"]
     if args.configs:
@@ -455,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"quick": quick, "machine": machine_info(), "code": code_version(), "profile_where": profile_where(),
               "load_average_1min_start": os.getloadavg()[0], "argv": sys.argv[1:], "runs": [], "scaling": None,
-              "netns": None}
+              "netns": None, "run_schedule": schedule}
     use_netns = not (quick or args.loopback)
     if use_netns:
         reason = netns.unavailable_reason()
@@ -485,12 +531,14 @@ def main(argv: list[str] | None = None) -> int:
                     ranks = launch(args.world_size, peer_args, link=link, timeout_s=timeout)
                 summary = summarize_steps(ranks)
                 add_estimate(summary, rate, isolated)
+                run_average.add_run_average(summary, schedule)
                 result["runs"].append({"rate_gbit": rate, "mtu": args.mtu, "summary": summary})
                 _print_run(result["runs"][-1])
         else:
             print(f"--- loopback, {args.world_size} ranks, load {os.getloadavg()[0]:.2f}")
             ranks = launch(args.world_size, peer_args, link=None, timeout_s=timeout)
             summary = summarize_steps(ranks)
+            run_average.add_run_average(summary, schedule)
             result["runs"].append({"rate_gbit": None, "mtu": None, "summary": summary})
             _print_run(result["runs"][-1])
         if not args.no_scaling:
@@ -507,13 +555,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def rewrite(path: Path, out_dir: Path, stem: str) -> int:
-    """Recompute the estimates of a stored result with the current model and write its outputs."""
+def rewrite(path: Path, out_dir: Path, stem: str, schedule: dict | None = None) -> int:
+    """Recompute the estimates of a stored result with the current model (and the run averages with
+    ``schedule``) and write its outputs."""
     result = json.loads(path.read_text())
     for run in result["runs"]:
         for key in ("estimate", "estimate_isolated", "estimate_in_run"):
             run["summary"].pop(key, None)
         add_estimate(run["summary"], run["rate_gbit"], result.get("local_costs_isolated"))
+        stored = (run["summary"].get("run_average") or {}).get("schedule")
+        run_average.add_run_average(run["summary"], schedule or stored or run_average.RUN_SCHEDULE)
         _print_run(run)
     result["estimate_model"] = "recomputed by --from-json with the current onebit.estimate"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -533,6 +584,11 @@ def _print_run(run: dict) -> None:
         est = s.get(key)
         if est:
             print(f"  {key}: {est['speedup']:.2f}x vs measured {est['measured_speedup']:.2f}x")
+    for row in (s.get("run_average") or {}).get("optimizers", {}).values():
+        print(f"  run average, {row['label']:<32} step {_ms(row['step_s']):>7} ms  "
+              f"vs adam {row.get('speedup_vs_adam', 0):.2f}x  counts {row['counts']}")
+    for line in run_average.run_average_lines(s):
+        print("  " + line)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The peer benchmark's smoke test: ``benchmarks/slowlink.py --quick`` (loopback, small model) in a
-subprocess with a hard timeout, and the namespace helper's setup and teardown where root allows."""
+subprocess with a hard timeout, the run averages' arithmetic, and the namespace helper's setup and
+teardown where root allows."""
 
 from __future__ import annotations
 
@@ -14,7 +15,22 @@ from onebit.compression import padded_length
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-CONFIGS = {"adam", "powersgd1", "powersgd4", "onebit_warmup", "onebit_compression"}
+ZOADAM_KINDS = {  # what is recorded: (the kind of step timed, the kind of the step before it)
+    "zoadam_variance": ("variance", "compressed_gradient"),
+    "zoadam_compressed_gradient": ("compressed_gradient", "compressed_gradient"),
+    "zoadam_compressed_gradient_after_variance": ("compressed_gradient", "variance"),
+    "zoadam_local": ("local", "sync"),
+    "zoadam_sync": ("sync", "local"),
+}
+CONFIGS = {"adam", "powersgd1", "powersgd4", "onebit_warmup", "onebit_compression", *ZOADAM_KINDS}
+
+
+def _bench_module(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +38,16 @@ def quick(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("quick")
     try:
         proc = subprocess.run([sys.executable, str(BENCH / "slowlink.py"), "--quick", "--out-dir", str(out)],
-                              capture_output=True, text=True, timeout=150, cwd=ROOT)
+                              capture_output=True, text=True, timeout=240, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"slowlink.py --quick did not finish in {exc.timeout} s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (out / "quick.md").read_text().startswith("# onebit vs peers")
-    return json.loads((out / "quick.json").read_text())
+    markdown = (out / "quick.md").read_text()
+    assert markdown.startswith("# onebit vs peers")
+    return {**json.loads((out / "quick.json").read_text()), "markdown": markdown}
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_quick_times_every_configuration(quick):
     assert quick["quick"] is True and quick["machine"]["cores"] >= 1
     (run,) = quick["runs"]
@@ -46,7 +63,7 @@ def test_quick_times_every_configuration(quick):
     assert summary["local_costs"]["codec_gbps"] > 0
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_quick_compression_bytes_are_near_the_1bit_ideal(quick):
     summary = quick["runs"][0]["summary"]
     ideal, fp32 = summary["ideal_1bit_bytes"], summary["fp32_ring_bytes"]
@@ -62,7 +79,93 @@ def test_quick_compression_bytes_are_near_the_1bit_ideal(quick):
     assert {"codec_worker", "codec_server", "codec_decode", "comm", "compress_input", "update"} <= set(profile)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
+def test_quick_times_each_kind_of_zoadam_step(quick):
+    summary = quick["runs"][0]["summary"]
+    ideal, fp32 = summary["ideal_1bit_bytes"], summary["fp32_ring_bytes"]
+    for name, (kind, before) in ZOADAM_KINDS.items():
+        row = summary["configs"][name]
+        assert row["kinds"] == [[kind, before]], name  # every timed step, on every rank, of its kind
+        for sent in row["stats_bytes_per_rank"]:
+            if kind == "variance":
+                assert sent == pytest.approx(fp32, rel=0.01), name
+            elif kind == "local":
+                assert sent == 0 and row["collectives"] == 0, name
+            else:
+                assert ideal <= sent <= 1.05 * ideal, name
+    averages = summary["run_average"]["optimizers"]
+    assert set(averages) == {"adam", "onebit", "zoadam"}
+    assert averages["zoadam"]["counts"] == {"variance": 49, "compressed_gradient_after_variance": 33,
+                                            "compressed_gradient": 38, "local": 365, "sync": 115}
+    # 0/1 Adam sends less than 1-bit Adam over the run: mostly local steps, no fp32 warmup
+    assert averages["zoadam"]["stats_bytes_per_step"] < averages["onebit"]["stats_bytes_per_step"]
+    assert "0/1 Adam vs 1-bit Adam over the run" in quick["markdown"]
+
+
+def test_run_average_weights_each_kind_by_its_count_in_the_schedule():
+    run_average = _bench_module("run_average")
+    schedule = run_average.parse_schedule("steps=10,var_freeze_step=4,var_update_scaler=2,local_step_scaler=1,"
+                                          "local_step_clipper=2")
+    assert schedule["freeze_step"] == 4  # OnebitAdam freezes with ZeroOneAdam unless told otherwise
+    counts = run_average.schedule_counts(schedule)
+    # ZeroOneAdam.plan_for: steps 1, 2 and 3 variance, 4 compressed_gradient; then H = 1 (step 5),
+    # 2 (steps 6-10: syncs at 7 and 9)
+    assert counts["zoadam"] == {"variance": 3, "compressed_gradient_after_variance": 1, "compressed_gradient": 0,
+                                "local": 3, "sync": 3}
+    assert counts["onebit"] == {"warmup": 4, "compression": 6} and counts["adam"] == {"step": 10}
+
+    def row(step_s, sent=None, collectives=None, rounds=(1.0, 2.0)):
+        r = {"step_s": step_s, "steps_s": [step_s * f for f in rounds], "step_s_quartiles": (step_s, step_s),
+             "fwd_bwd_s": step_s / 2, "opt_s": step_s / 2}
+        if sent is not None:
+            r.update(stats_bytes_per_rank=[sent, sent], collectives=collectives,
+                     link_per_rank=[{"tcp_payload_bytes": sent + 10}, {"tcp_payload_bytes": sent}])
+        return r
+
+    summary = {"configs": {
+        "adam": row(1.0), "onebit_warmup": row(1.0, 400, 1), "onebit_compression": row(0.2, 12, 3),
+        "zoadam_variance": row(1.0, 400, 1), "zoadam_compressed_gradient_after_variance": row(2.0, 12, 3),
+        "zoadam_local": row(0.1, 0, 0), "zoadam_sync": row(0.3, 12, 3, rounds=(1.0, 4.0)),
+        # zoadam_compressed_gradient is not timed: the schedule has none, so it is not needed
+    }}
+    run_average.add_run_average(summary, schedule)
+    ra = summary["run_average"]
+    zo, ob, adam = (ra["optimizers"][k] for k in ("zoadam", "onebit", "adam"))
+    assert zo["step_s"] == pytest.approx((3 * 1.0 + 2.0 + 3 * 0.1 + 3 * 0.3) / 10)
+    assert ob["step_s"] == pytest.approx((4 * 1.0 + 6 * 0.2) / 10)
+    assert zo["run_s"] == pytest.approx(zo["step_s"] * 10)
+    assert zo["stats_bytes_per_step"] == pytest.approx((3 * 400 + 4 * 12) / 10)
+    assert zo["tcp_payload_bytes_per_step"] == pytest.approx((3 * 410 + 4 * 22 + 3 * 10) / 10)  # the busier rank
+    assert zo["collectives_per_step"] == pytest.approx((3 * 1 + 4 * 3) / 10)
+    assert adam["stats_bytes_per_step"] is None and adam["collectives_per_step"] is None
+    # round 2: every time doubles, the syncs' quadruple
+    assert zo["step_s_by_round"][1] == pytest.approx((3 * 2.0 + 4.0 + 3 * 0.2 + 3 * 1.2) / 10)
+    cmp = ra["zoadam_vs_onebit"]
+    assert cmp["speedup"] == pytest.approx(ob["step_s"] / zo["step_s"])
+    assert cmp["speedup_paired_median"] == pytest.approx(
+        (ob["step_s"] / zo["step_s"] + 2 * ob["step_s"] / zo["step_s_by_round"][1]) / 2)
+    assert cmp["zoadam_not_slower"] is (zo["step_s"] <= ob["step_s"])
+    assert ob["speedup_vs_adam"] == pytest.approx(1.0 / ob["step_s"])
+    text = "\n".join(run_average.run_average_markdown(summary, {}))
+    assert "| ZeroOneAdam (0/1 Adam) | local (`zoadam_local`) | 3 |" in text
+    assert "1-bit / 0/1 =" in text
+
+    # a kind of step the schedule needs but the run did not time: no average for that optimizer
+    del summary["configs"]["zoadam_local"]
+    run_average.add_run_average(summary, schedule)
+    assert set(summary["run_average"]["optimizers"]) == {"adam", "onebit"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("steps=0", "must be >= 1"), ("steps=ten", "is not an int"), ("freeze=3", "key one of"), ("steps", "key one of"),
+])
+def test_run_schedule_rejects_bad_input(text, message):
+    run_average = _bench_module("run_average")
+    with pytest.raises(ValueError, match=message):
+        run_average.parse_schedule(text)
+
+
+@pytest.mark.timeout(300)
 def test_quick_scaling_does_not_grow_with_tensors(quick):
     rows = quick["scaling"]
     assert {(r["world_size"], r["tensors"]) for r in rows} == {(n, t) for n in (2, 3, 4) for t in (10, 1000)}
