@@ -13,11 +13,12 @@ from .adam import adam_step_, descend_
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
-from .validation import check_int, refuse
+from .validation import check_flag, check_int, refuse
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZeroOneAdam", "VARIANCE", "COMPRESSED_GRADIENT", "LOCAL", "SYNC", "is_variance_step", "sync_interval"]
+__all__ = ["ZeroOneAdam", "VARIANCE", "COMPRESSED_GRADIENT", "LOCAL", "SYNC", "is_variance_step", "variance_updates",
+           "sync_interval"]
 
 VARIANCE = StepPlan("variance", average_gradients=True)
 COMPRESSED_GRADIENT = StepPlan("compressed_gradient", compress=True)
@@ -26,7 +27,6 @@ SYNC = StepPlan("sync", compress=True)
 
 # Keys DeepSpeed's ZeroOneAdam accepted and ignored (or failed on); onebit refuses them, with the reason.
 DEEPSPEED_IGNORED = {
-    "bias_correction": "DeepSpeed's ZeroOneAdam stored it and never used it: 0/1 Adam has no bias correction",
     "max_grad_norm": "clip gradients in the training loop (torch.nn.utils.clip_grad_norm_) before step()",
     "eps_inside_sqrt": "eps is always added outside the square root (DeepSpeed's behaviour)",
     "amsgrad": "AMSGrad is not implemented",
@@ -47,6 +47,19 @@ def is_variance_step(step: int, var_update_scaler: int) -> bool:
         if t <= end:
             return t >= first and t % interval == 0
         last, interval = end, 2 * interval
+
+
+def variance_updates(step: int, var_update_scaler: int) -> int:
+    """How many of steps ``1..step`` are variance steps (see :func:`is_variance_step`)."""
+    t, last, interval, count = step + 1, 1, 1, 0
+    while True:
+        first = (last // interval + 1) * interval
+        end = first + (var_update_scaler - 1) * interval
+        if t < first:
+            return count
+        if t <= end:
+            return count + (t - first) // interval + 1
+        last, interval, count = end, 2 * interval, count + var_update_scaler
 
 
 def sync_interval(step: int, var_freeze_step: int, local_step_scaler: int, local_step_clipper: int) -> int:
@@ -98,8 +111,10 @@ class ZeroOneAdam(OnebitOptimizer):
       (DeepSpeed reset the schedule and updated ``v`` from a local gradient: the ranks diverged);
     * the accumulator and sync point exist only in phase 2, phase 1's scratch only in phase 1;
     * ``local_step_scaler`` defaults to 32768 (DeepSpeed's 32678 was a typo);
-    * ``bias_correction``, ``max_grad_norm``, ``eps_inside_sqrt``, ``amsgrad`` and ``freeze_step``
-      are refused, with the reason.
+    * ``max_grad_norm``, ``eps_inside_sqrt``, ``amsgrad`` and ``freeze_step`` are refused, with
+      the reason; ``bias_correction=True`` (off by default, as in DeepSpeed, which read the key and
+      ignored it) divides ``m`` by ``1 - beta1**t`` and ``v`` by ``1 - beta2**k``, ``k`` the
+      variance steps so far (frozen in phase 2), as ``OnebitAdam``'s does.
 
     Non-finite gradients: on steps that communicate, every rank skips together (or raises), as in
     every onebit optimizer; on a local step a rank whose gradients are not finite leaves its own
@@ -108,13 +123,14 @@ class ZeroOneAdam(OnebitOptimizer):
 
     Args:
         params: parameters or param groups. A group may set its own ``lr``, ``betas``, ``eps``,
-            ``weight_decay``, and ``compress=False``: plain Adam on gradients averaged in full
+            ``weight_decay``, ``bias_correction``, and ``compress=False``: plain Adam on gradients averaged in full
             precision on every step (its local steps then communicate that group's gradients).
         lr, betas, eps, weight_decay: as in Adam (decoupled weight decay, no bias correction).
         var_freeze_step: the number of phase-1 steps (>= 1).
         var_update_scaler: variance updates per interval before the interval doubles (>= 1).
         local_step_scaler: phase-2 steps per sync interval before it doubles (>= 1).
         local_step_clipper: the largest sync interval (>= 1).
+        bias_correction: Adam's bias correction of both moments (see above). Off by default.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -126,6 +142,7 @@ class ZeroOneAdam(OnebitOptimizer):
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
     _SCALARS: ClassVar[dict[str, float]] = {"lr_sum": 0.0}
     _AVERAGE_UNCOMPRESSED_ALWAYS: ClassVar[bool] = True
+    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
     _SCHEDULE: ClassVar[tuple[str, ...]] = ("var_freeze_step", "var_update_scaler", "local_step_scaler",
                                             "local_step_clipper")
 
@@ -140,6 +157,8 @@ class ZeroOneAdam(OnebitOptimizer):
         var_update_scaler: int = 16,
         local_step_scaler: int = 32768,
         local_step_clipper: int = 16,
+        *,
+        bias_correction: bool = False,
         **options: Any,
     ) -> None:
         refuse("ZeroOneAdam", options, DEEPSPEED_IGNORED)
@@ -150,8 +169,13 @@ class ZeroOneAdam(OnebitOptimizer):
         # (None: not built); a variance step can only make them fewer.
         self._zero_variance: dict[int, int | None] = {}
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
-                        weight_decay=weight_decay)
+                        weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, **options)
+
+    @classmethod
+    def _check_group(cls, group: Mapping[str, Any]) -> None:
+        super()._check_group(group)
+        check_flag("bias_correction", group["bias_correction"])
 
     # ----------------------------------------------------------------- the schedule
 
@@ -164,6 +188,11 @@ class ZeroOneAdam(OnebitOptimizer):
     @property
     def replicas_identical(self) -> bool:
         return self.plan_for(self._step) is not LOCAL if self._step > self.var_freeze_step else True
+
+    def _bias(self, group: dict[str, Any], t: int) -> tuple[float, float]:
+        """``(1 - beta1**t, 1 - beta2**k)`` with ``k`` the variance steps so far, or ``(1, 1)``."""
+        k = variance_updates(min(t, self.var_freeze_step), self.var_update_scaler)
+        return F.bias_corrections(t, k, *group["betas"], group["bias_correction"])
 
     def _schedule_state(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self._SCHEDULE}
@@ -183,13 +212,14 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """Adam on the averaged gradient: a variance step (and every step of a compress=False group)."""
-        if bucket.compression is None:
-            adam_step_(bucket, group)
+        if bucket.compression is None:  # plain Adam, the variance updated on every step
+            adam_step_(bucket, group, *F.bias_corrections(t, t, *group["betas"], group["bias_correction"]))
             return
         # v changes: the denominator is computed here once for this step and the next compressed
         # ones; the keep mask is rebuilt only if a coordinate with a zero variance got one.
-        adam_step_(bucket, group, denominator=self._denominator_buffer(bucket))
-        bucket.denominator_key = ("fresh", group["eps"])  # sqrt(v) + eps, still to be marked (see _denominator)
+        bc1, bc2 = self._bias(group, t)
+        adam_step_(bucket, group, bc1, bc2, denominator=self._denominator_buffer(bucket))
+        bucket.denominator_key = ("fresh", group["eps"], bc2)  # sqrt(v / bc2) + eps, still to be marked
         known = self._zero_variance.get(id(bucket))
         if known != 0 and (known is None or known != int((bucket.buffers["exp_avg_sq"] == 0).sum())
                            - (bucket.padded - bucket.numel)):  # they only become fewer: the same count, the same set
@@ -202,8 +232,8 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
         if t > self.var_freeze_step:  # a sync: the local step, then the accumulator in momentum space
-            self._local_step(bucket, grads, group)
-            u = bucket.buffers["momentum_accumulator"].mul_(self._denominator(bucket, group["eps"]))
+            self._local_step(bucket, grads, group, t)
+            u = bucket.buffers["momentum_accumulator"].mul_(self._denominator(bucket, group, t))
             # Where the denominator is infinite (coordinates kept still, the padding) send 0, not inf or NaN.
             return u.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         buffer = bucket.scratch("grad")  # a compressed-gradient step: the local gradients
@@ -214,20 +244,21 @@ class ZeroOneAdam(OnebitOptimizer):
     def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         averaged = bucket.compressed
         m = bucket.buffers["exp_avg"]
+        bc1, _ = self._bias(group, t)
         if t <= self.var_freeze_step:
             m.lerp_(averaged, 1 - group["betas"][0])
-            self._denominator(bucket, group["eps"])
-            descend_(bucket, bucket.views["exp_avg"], bucket.denominators, group["lr"], group["weight_decay"])
+            self._denominator(bucket, group, t)
+            descend_(bucket, bucket.views["exp_avg"], bucket.denominators, group["lr"], group["weight_decay"], bc1)
             return
         # A sync: every input below is the same on every rank, so are the parameters after it.
         lr_sum = bucket.scalars["lr_sum"]
         total = float(lr_sum[0])
-        if total > 0:
-            torch.div(averaged, -total, out=m)
+        if total > 0:  # (with bias correction, back to the uncorrected momentum)
+            torch.div(averaged, -total / bc1, out=m)
         else:  # the learning rate was 0 since the last sync: nothing moved, start the momentum afresh
             m.zero_()
         theta = bucket.buffers["sync_point"]
-        theta.addcdiv_(averaged, self._denominator(bucket, group["eps"]))
+        theta.addcdiv_(averaged, self._denominator(bucket, group, t))
         if bucket.same_dtype:
             torch._foreach_copy_(bucket.params, bucket.views["sync_point"])
         else:
@@ -239,25 +270,27 @@ class ZeroOneAdam(OnebitOptimizer):
     # ----------------------------------------------------------------- phase 2
 
     def _update_local(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
-        self._local_step(bucket, grads, group)
+        self._local_step(bucket, grads, group, t)
 
-    def _local_step(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any]) -> None:
-        """``m <- beta1 m + (1 - beta1) g`` on the local gradient, ``d = m / (sqrt(v) + eps) + wd p``,
-        ``p -= lr d``, ``u -= lr d``, ``lr_sum += lr``."""
+    def _local_step(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
+        """``m <- beta1 m + (1 - beta1) g`` on the local gradient, ``d = m / (sqrt(v) + eps) + wd p``
+        (``(m / bc1) / (sqrt(v / bc2) + eps) + wd p`` with bias correction), ``p -= lr d``,
+        ``u -= lr d``, ``lr_sum += lr``."""
         if "sync_point" not in bucket.buffers:
             self._enter_phase_two(bucket)
         F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
         if bucket.mask is not None:  # the masks' promise: the momentum is 0 there (it moves nothing either way)
             bucket.buffers["exp_avg"].mul_(bucket.mask)
-        self._denominator(bucket, group["eps"])
+        self._denominator(bucket, group, t)
+        bc1, _ = self._bias(group, t)
         lr, weight_decay = group["lr"], group["weight_decay"]
         # u first: it reads the parameters before this step's update, as d does.
         u = bucket.views["momentum_accumulator"]
         if weight_decay != 0:
             torch._foreach_add_(u, [p.float() for p in bucket.params] if not bucket.same_dtype else bucket.params,
                                 alpha=-lr * weight_decay)
-        torch._foreach_addcdiv_(u, bucket.views["exp_avg"], bucket.denominators, value=-lr)
-        descend_(bucket, bucket.views["exp_avg"], bucket.denominators, lr, weight_decay)
+        torch._foreach_addcdiv_(u, bucket.views["exp_avg"], bucket.denominators, value=-lr / bc1)
+        descend_(bucket, bucket.views["exp_avg"], bucket.denominators, lr, weight_decay, bc1)
         bucket.scalars["lr_sum"].add_(lr)
 
     def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
@@ -289,20 +322,21 @@ class ZeroOneAdam(OnebitOptimizer):
             bucket.denominator = torch.empty_like(bucket.buffers["exp_avg_sq"])
         return bucket.denominator
 
-    def _denominator(self, bucket: Bucket, eps: float) -> torch.Tensor:
-        """The flat ``sqrt(v) + eps`` (computed again when ``v`` changes or after a load), with its
-        views in ``bucket.denominators``. It is ``+inf`` where the momentum must not move the
+    def _denominator(self, bucket: Bucket, group: dict[str, Any], t: int) -> torch.Tensor:
+        """The flat ``sqrt(v / bc2) + eps`` (computed again when ``v`` changes or after a load), with
+        its views in ``bucket.denominators``. It is ``+inf`` where the momentum must not move the
         parameters (masked coordinates, and zero-variance ones, whose 1-bit average cannot be 0):
         their updates ``m / denominator`` are 0 on every step, local ones too, at no cost per step."""
-        if bucket.denominator_key != eps or bucket.denominator is None:
+        key = (group["eps"], self._bias(group, t)[1])
+        if bucket.denominator_key != key or bucket.denominator is None:
             v = bucket.buffers["exp_avg_sq"]
             denominator = self._denominator_buffer(bucket)
-            if bucket.denominator_key != ("fresh", eps):
-                F.adam_denominator_(denominator, v, eps)
+            if bucket.denominator_key != ("fresh", *key):
+                F.adam_denominator_(denominator, v, *key)
             still = v == 0
             if bucket.mask is not None:
                 still |= bucket.mask == 0
             denominator.masked_fill_(still, float("inf"))
             bucket.denominators = bucket.view(denominator)
-            bucket.denominator_key = eps
+            bucket.denominator_key = key
         return bucket.denominator

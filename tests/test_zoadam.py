@@ -18,7 +18,7 @@ from onebit import LocalBackend, OnebitAdam, StepPlan, ZeroOneAdam
 from onebit.engine import DEFAULT_BUCKET_SIZE
 from onebit.integrations import attach_ddp
 from onebit.testing import simulate_compressed_allreduce
-from onebit.zoadam import COMPRESSED_GRADIENT, LOCAL, SYNC, VARIANCE, is_variance_step, sync_interval
+from onebit.zoadam import COMPRESSED_GRADIENT, LOCAL, SYNC, VARIANCE, is_variance_step, sync_interval, variance_updates
 
 KINDS_BY_NAME = {"variance": VARIANCE, "compressed_gradient": COMPRESSED_GRADIENT, "local": LOCAL, "sync": SYNC}
 
@@ -774,7 +774,7 @@ def test_attach_ddp_averages_only_on_variance_steps_and_trains_like_the_plain_lo
 # ----------------------------------------------------------------------------- 7. bad input
 
 
-@pytest.mark.parametrize("key", ["bias_correction", "max_grad_norm", "eps_inside_sqrt", "amsgrad", "freeze_step"])
+@pytest.mark.parametrize("key", ["max_grad_norm", "eps_inside_sqrt", "amsgrad", "freeze_step"])
 def test_deepspeed_keys_are_refused_naming_the_key(key):
     value = {"max_grad_norm": 1.0, "freeze_step": 10}.get(key, False)
     with pytest.raises(TypeError, match=f"ZeroOneAdam does not take {key}={value!r}: "):
@@ -799,3 +799,41 @@ def test_deepspeed_s_exp_avg_mask_in_a_group_is_refused():
     with pytest.raises(ValueError, match="param group key 'exp_avg_mask' .* momentum_masks"):
         ZeroOneAdam([{"params": [torch.nn.Parameter(torch.zeros(3))], "exp_avg_mask": torch.ones(3)}],
                     backend=LocalBackend())
+
+
+# ----------------------------------------------------------------------------- 8. bias correction
+
+
+@pytest.mark.parametrize("kappa", [1, 2, 3, 16])
+def test_variance_updates_count_the_variance_steps(kappa):
+    count = 0
+    for step in range(1, 3000):
+        count += is_variance_step(step, kappa)
+        assert variance_updates(step, kappa) == count, step
+
+
+def test_bias_correction_in_phase_one_is_adam_s():
+    # With every phase-1 step a variance step, phase 1 is Adam with bias correction: OnebitAdam's
+    # warmup with bias_correction=True, bit for bit; without it the two differ from step 1.
+    torch.manual_seed(0)
+    initial = [torch.randn(6, 5), torch.randn(5)]
+    runs = []
+    for make in (lambda ps: ZeroOneAdam(ps, lr=1e-2, weight_decay=0.01, var_freeze_step=8, var_update_scaler=8,
+                                        bias_correction=True, backend=LocalBackend()),
+                 lambda ps: OnebitAdam(ps, lr=1e-2, weight_decay=0.01, freeze_step=100, bias_correction=True,
+                                       backend=LocalBackend()),
+                 lambda ps: ZeroOneAdam(ps, lr=1e-2, weight_decay=0.01, var_freeze_step=8, var_update_scaler=8,
+                                        backend=LocalBackend())):
+        params = [torch.nn.Parameter(t.clone()) for t in initial]
+        opt = make(params)
+        trajectory = []
+        for step in range(1, 9):
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            trajectory.append(torch.cat([p.detach().reshape(-1) for p in params]))
+        runs.append(torch.stack(trajectory))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0][0], runs[2][0])
+    assert "bias_correction" in ZeroOneAdam.__init__.__kwdefaults__  # keyword-only, off by default
