@@ -249,16 +249,16 @@ def all_finite(grads: list[list[torch.Tensor | None]]) -> bool:
 def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """At the first compressed step (or the first after a load): the coordinates whose compressed
     value is kept 0 from then on: the user's mask, ``dead`` (bool over the padded buffer, the
-    algorithm's) and the padding. Releases the full-precision scratch buffers. Returns the kept
-    coordinates (bool over the padded buffer) and the number of dead parameter coordinates."""
+    algorithm's) and the padding. Returns the kept coordinates (bool over the padded buffer) and
+    the number of dead parameter coordinates."""
     keep = bucket.real()
     dead_count = 0
     if dead is not None:
         keep &= ~dead
-        dead_count = bucket.numel - int(keep.sum())
+        dead_count = bucket.numel - int(torch.count_nonzero(keep))  # (a bool sum() is ~20x slower)
     if bucket.mask is not None:
         keep &= bucket.mask != 0
-    zeros = bucket.padded - int(keep.sum())  # the padding included: it is zeroed too
+    zeros = bucket.padded - int(torch.count_nonzero(keep))  # the padding included: it is zeroed too
     bucket.frozen_zeros = bucket.frozen_keep = None
     if zeros * _DENSE_MASK_RATIO > bucket.padded:
         signs = torch.full((bucket.padded,), -1.0, device=bucket.device)
@@ -267,7 +267,6 @@ def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> tuple[torch.Te
     elif zeros:
         bucket.frozen_zeros = torch.nonzero(~keep).flatten()
     bucket.frozen_mask_ready = True
-    bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
     return keep, dead_count
 
 

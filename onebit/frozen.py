@@ -46,6 +46,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         return bucket.buffers["exp_avg_sq"] == 0
 
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
+        for bucket in buckets:
+            bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
         if self._backend.rank == 0:
             what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
             logger.info(

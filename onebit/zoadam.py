@@ -221,13 +221,13 @@ class ZeroOneAdam(OnebitOptimizer):
         adam_step_(bucket, group, bc1, bc2, denominator=self._denominator_buffer(bucket))
         bucket.denominator_key = ("fresh", group["eps"], bc2)  # sqrt(v / bc2) + eps, still to be marked
         known = self._zero_variance.get(id(bucket))
-        if known != 0 and (known is None or known != int((bucket.buffers["exp_avg_sq"] == 0).sum())
+        if known != 0 and (known is None or known != int(torch.count_nonzero(bucket.buffers["exp_avg_sq"] == 0))
                            - (bucket.padded - bucket.numel)):  # they only become fewer: the same count, the same set
             bucket.frozen_mask_ready = False
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
         dead = bucket.buffers["exp_avg_sq"] == 0
-        self._zero_variance[id(bucket)] = int(dead.sum()) - (bucket.padded - bucket.numel)
+        self._zero_variance[id(bucket)] = int(torch.count_nonzero(dead)) - (bucket.padded - bucket.numel)
         return dead
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
