@@ -15,15 +15,17 @@ A whole DeepSpeed config is accepted as it is; only its optimizer section is rea
 ``weight_decay``, ``freeze_step``, ``cuda_aware``, ``comm_backend_name``, ``bias_correction``;
 OneBitLamb: the same without ``bias_correction``, plus ``max_coeff``, ``min_coeff``,
 ``coeff_beta``, ``factor_max``, ``factor_min``, ``factor_threshold``; ZeroOneAdam: ``lr``,
-``betas``, ``eps``, ``weight_decay``, ``var_freeze_step``, ``var_update_scaler``,
-``local_step_scaler``, ``local_step_clipper``, ``cuda_aware``, ``comm_backend_name``) and every
-other keyword argument of the optimizer that is a plain value (``bucket_size``, ``kernels``, ...):
-:data:`CONFIG_KEYS`. Only the keys present are passed on: every default is the optimizer's. Keys
-DeepSpeed accepted and ignored raise, with the reason, whatever their value: ``bias_correction``
-for OneBitLamb and ZeroOneAdam (neither has bias correction; DeepSpeed's examples of both set it
-to ``false``, which would be harmless, but ``true`` would be ignored, so the key is refused rather
-than read), ``max_grad_norm``, ``eps_inside_sqrt``, ``amsgrad``. ZeroOneAdam also refuses
-``freeze_step`` (1-bit Adam's; its first phase is ``var_freeze_step`` long).
+``betas``, ``eps``, ``weight_decay``, ``bias_correction``, ``var_freeze_step``,
+``var_update_scaler``, ``local_step_scaler``, ``local_step_clipper``, ``cuda_aware``,
+``comm_backend_name``) and every other keyword argument of the optimizer that is a plain value
+(``bucket_size``, ``kernels``, ...): :data:`CONFIG_KEYS`. Only the keys present are passed on:
+every default is the optimizer's. Keys DeepSpeed accepted and ignored raise, with the reason,
+whatever their value: ``max_grad_norm``, ``eps_inside_sqrt``, ``amsgrad``, and OneBitLamb's
+``bias_correction`` (1-bit LAMB has none; DeepSpeed's examples set it to ``false``, which would
+be harmless, but ``true`` would be ignored, so the key is refused rather than read). OneBitAdam's
+and ZeroOneAdam's ``bias_correction`` is implemented (off by default for ZeroOneAdam, as
+DeepSpeed's ``false``). ZeroOneAdam also refuses ``freeze_step`` (1-bit Adam's; its first phase
+is ``var_freeze_step`` long).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The BERT example (examples/bert): data preparation on a tiny slice, and real 2-rank runs of
-pretrain.py (gloo) that cross freeze_step, stop in the compression phase, and resume exactly."""
+pretrain.py (gloo) that cross freeze_step, stop in the compression phase, and resume exactly; 0/1
+Adam's runs cross var_freeze_step, take local steps and syncs, and resume between syncs."""
 
 from __future__ import annotations
 
@@ -220,18 +221,23 @@ def test_judge_run_flags_non_finite_exploded_and_stalled_runs():
 
 
 def _fake_run(run_dir: Path, steps: int, final_val_loss: float, status: str, reason: str | None = None,
-              skipped: int = 0) -> None:
-    """The files pretrain.py leaves in a run directory, as compare.py reads them."""
+              skipped: int = 0, plans: dict[str, tuple[int, int]] | None = None, start: dict | None = None) -> None:
+    """The files pretrain.py leaves in a run directory, as compare.py reads them. ``plans``: kind of
+    step -> (steps, bytes per step); default warmup and compression, half the steps each, 1000 bytes
+    per step (written as summaries were before they listed their plans). ``start``: the start record."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    stats = {phase: {"bytes_sent": 1000 * n, "steps": n, "skipped_steps": 0} for phase, n in
-             (("warmup", steps // 2), ("compression", steps - steps // 2))}
+    kinds = plans or {"warmup": (steps // 2, 1000), "compression": (steps - steps // 2, 1000)}
+    stats = {phase: {"bytes_sent": per * n, "steps": n, "skipped_steps": 0} for phase, (n, per) in kinds.items()}
     summary = {"step": steps, "finished": True, "wall_s": 1.0, "world_size": 2, "freeze_step": steps // 2,
                "bytes_sent": {phase: stats[phase]["bytes_sent"] for phase in stats}, "comm_stats": stats,
                "final_val_loss": final_val_loss, "final_val_loss_finite": math.isfinite(final_val_loss),
                "skipped_steps": skipped, "skipped_in_a_row": skipped, "initial_val_loss": 6.0, "val_loss_limit": 7.0,
                "status": status, "status_reason": reason, "params_in_sync": True}
+    if plans is not None:
+        summary["plans"] = list(plans)
     (run_dir / "summary.json").write_text(json.dumps(summary))
-    records = [{"event": "eval", "step": 0, "val_loss": 6.0}]
+    records = [start] if start is not None else []
+    records += [{"event": "eval", "step": 0, "val_loss": 6.0}]
     records += [{"event": "train", "step": s, "loss": 6.0 - 0.1 * s if status == "finished" else 10.0 ** s,
                  "bytes_sent": 1000 * s} for s in range(1, steps + 1)]
     records.append({"event": "eval", "step": steps, "val_loss": final_val_loss})
@@ -311,6 +317,151 @@ def test_compare_optimizer_lamb_runs_lamb_and_onebit_lamb(tmp_path, monkeypatch,
     bert_compare.main(["--steps", "10", "--out", str(tmp_path / "adam"), "--quiet"])  # the default
     assert [Path(args[args.index("--config") + 1]).name for args in launched] == ["adam.json", "onebit_gloo.json"]
     assert "val loss ratio 1-bit/Adam" in capsys.readouterr().out
+
+
+ZOADAM_PLANS = {"variance": (2, 6000), "compressed_gradient": (0, 0), "local": (5, 0), "sync": (3, 200)}
+
+
+def test_compare_optimizer_zoadam_runs_adam_and_zerooneadam(tmp_path, monkeypatch, capsys):
+    """``--optimizer zoadam``: Adam's config against configs/zoadam_gloo.json with var_freeze_step
+    = 20% of the steps; 0/1 Adam's kinds of step are listed below the table with their bytes."""
+    from onebit import ZeroOneAdam
+    from onebit.config import load_config, optimizer_kwargs
+
+    launched = []
+
+    def fake_launch(script_args, world_size, log_dir, **kwargs):
+        launched.append(script_args)
+        run_dir = Path(script_args[script_args.index("--out") + 1])
+        if run_dir.name == "adam":
+            _fake_run(run_dir, 10, 5.2, "finished", plans={"warmup": (10, 6000), "compression": (0, 0)})
+        else:
+            _fake_run(run_dir, 10, 5.23, "finished", plans=ZOADAM_PLANS)
+
+    monkeypatch.setattr(bert_compare, "launch", fake_launch)
+    comparison = bert_compare.main(["--optimizer", "zoadam", "--steps", "10", "--out", str(tmp_path), "--quiet"])
+    assert bert_compare.exit_status(comparison) == 0 and comparison["failed_runs"] == []
+    configs = [Path(args[args.index("--config") + 1]).name for args in launched]
+    assert configs == ["adam.json", "zoadam_gloo.json"]
+    assert "--freeze-step" not in launched[1] and launched[1][launched[1].index("--var-freeze-step") + 1] == "2"
+    assert [Path(args[args.index("--out") + 1]).name for args in launched] == ["adam", "zoadam"]
+    assert comparison["optimizer"] == "zoadam" and bert_compare.rows_of(comparison) == ["adam", "zoadam"]
+    # A comparison.json written before the "optimizer" entry: its runs tell.
+    assert bert_compare.runs_of({"lamb": {}, "onebit_lamb": {}}) == ("lamb", "onebit_lamb")
+    assert bert_compare.runs_of({"adam": {}, "onebit": {}}) == ("adam", "onebit")
+    assert comparison["val_loss_ratio"] == pytest.approx(5.23 / 5.2)
+    assert comparison["total_bytes_ratio"] == pytest.approx(60000 / (2 * 6000 + 3 * 200))
+    assert comparison["compression_bytes_ratio"] == pytest.approx(6000 / 200)  # per sync step
+    assert comparison["zoadam"]["steps_per_plan"] == {kind: n for kind, (n, _) in ZOADAM_PLANS.items()}
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["final", "val", "loss", "MiB", "sent/rank", "wall", "s", "skipped", "status"]
+    rows = {line.split("  ")[0].strip(): line for line in lines}
+    assert rows["Adam"].endswith("ok") and rows["0/1 Adam"].endswith("ok") and "1-bit Adam" not in rows
+    assert "steps by kind (KiB per step and rank):" in out
+    assert "  Adam      warmup 10 (5.9)" in out
+    assert "  0/1 Adam  variance 2 (5.9), local 5 (0.0), sync 3 (0.2)" in out  # no compressed_gradient step ran
+    assert ("val loss ratio 0/1 Adam/Adam: 1.0058; 30.0x fewer bytes per sync step than Adam's; whole run: 4.8x fewer "
+            "(no 1-bit Adam run to compare: --onebit-from DIR adds one)") in out
+    saved = json.loads((tmp_path / "comparison.json").read_text())
+    assert {"adam", "zoadam"} <= saved.keys() and "onebit" not in saved
+    assert (tmp_path / "comparison.png").stat().st_size > 0
+
+    # The config: 0/1 Adam on gloo, no bias correction (refused), a schedule with local steps
+    # within the 600 steps of the README's run, the same lr, eps and weight decay as Adam's.
+    cls, zoadam, _ = optimizer_kwargs(load_config(EXAMPLE / "configs" / "zoadam_gloo.json"))
+    _, adam, _ = optimizer_kwargs(load_config(EXAMPLE / "configs" / "adam.json"))
+    assert cls is ZeroOneAdam and zoadam["comm_backend_name"] == "gloo"
+    assert zoadam["var_update_scaler"] == 16 and 4 <= zoadam["local_step_clipper"] <= 16
+    assert zoadam["scale_block_size"] == 128  # one scale per row of the word embedding (README)
+    assert 0.8 * 600 // zoadam["local_step_scaler"] >= 2  # the interval doubles at least twice after 20% of 600
+    assert all(zoadam[key] == adam[key] for key in ("eps", "weight_decay"))
+
+
+def test_compare_zoadam_adds_a_finished_onebit_run_from_another_comparison(tmp_path, monkeypatch, capsys):
+    settings = bert_compare.pretrain_settings(["--steps", "10"])
+    start = {"event": "start", "step": 0, "settings": settings,
+             "config": {"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 2}}}}
+    previous = tmp_path / "previous"
+    _fake_run(previous / "onebit", 10, 5.21, "finished", plans={"warmup": (2, 6000), "compression": (8, 200)},
+              start=start)
+    launched = []
+
+    def fake_launch(script_args, world_size, log_dir, **kwargs):
+        launched.append(script_args)
+        run_dir = Path(script_args[script_args.index("--out") + 1])
+        if run_dir.name == "adam":
+            _fake_run(run_dir, 10, 5.2, "finished", plans={"warmup": (10, 6000), "compression": (0, 0)})
+        else:
+            _fake_run(run_dir, 10, 5.23, "finished", plans=ZOADAM_PLANS)
+
+    monkeypatch.setattr(bert_compare, "launch", fake_launch)
+    comparison = bert_compare.main(["--optimizer", "zoadam", "--steps", "10", "--out", str(tmp_path / "cmp"), "--quiet",
+                                    "--onebit-from", str(previous)])
+    assert len(launched) == 2  # the 1-bit Adam run is read, not run again
+    assert bert_compare.rows_of(comparison) == ["adam", "onebit", "zoadam"]
+    assert comparison["onebit_reference"] == str(previous / "onebit")
+    assert comparison["total_bytes_ratio_vs_onebit"] == pytest.approx((2 * 6000 + 8 * 200) / (2 * 6000 + 3 * 200))
+    out = capsys.readouterr().out
+    assert "  1-bit Adam  warmup 2 (5.9), compression 8 (0.2)" in out
+    assert "whole run: 4.8x fewer than Adam's, 1.08x fewer than 1-bit Adam's" in out
+    assert [line.split("  ")[0] for line in out.splitlines()[2:5]] == ["Adam", "1-bit Adam", "0/1 Adam"]
+
+    # A run of other settings, or of another world size, is refused before anything runs.
+    launched.clear()
+    for argv, message in ((["--steps", "12"], r"other settings \(steps: 10 there, 12 here"),
+                          (["--steps", "10", "--world-size", "3"], r"it ran on 2 ranks, not 3"),
+                          (["--steps", "10", "--seq-len", "32"], r"seq_len: 64 there, 32 here")):
+        with pytest.raises(ValueError, match=message):
+            bert_compare.main(["--optimizer", "zoadam", "--out", str(tmp_path / "x"), "--quiet",
+                               "--onebit-from", str(previous), *argv])
+    with pytest.raises(ValueError, match=r"no summary.json and metrics.jsonl there"):
+        bert_compare.main(["--optimizer", "zoadam", "--steps", "10", "--out", str(tmp_path / "x"), "--quiet",
+                           "--onebit-from", str(tmp_path / "nothing")])
+    with pytest.raises(SystemExit):  # --onebit-from belongs to the zoadam comparison
+        bert_compare.main(["--steps", "10", "--out", str(tmp_path / "x"), "--quiet", "--onebit-from", str(previous)])
+    assert launched == []
+
+
+def test_pretrain_two_ranks_zerooneadam_local_steps_and_resume_between_syncs(tmp_path):
+    """0/1 Adam crosses var_freeze_step 4, then syncs at steps 5, 7 and 11 and steps locally at
+    6, 8-10 and 12 (local_step_scaler 1, clipper 4): the ranks differ after step 12, so each
+    evaluates its own model; a run stopped after step 9 (between syncs) resumes bit for bit."""
+    config = json.loads((EXAMPLE / "configs" / "zoadam_gloo.json").read_text())
+    config["optimizer"]["params"].update(local_step_scaler=1, local_step_clipper=4)
+    config_path = tmp_path / "zoadam.json"
+    config_path.write_text(json.dumps(config))
+    common = [
+        "--config", str(config_path), "--var-freeze-step", "4", "--steps", "12",
+        "--corpus", "pydoc", "--limit-chars", "80000", "--vocab-size", "512", "--model", "micro", "--seq-len", "32",
+        "--batch-size", "8", "--lr-warmup", "2", "--eval-every", "6", "--log-every", "1", "--checkpoint-every", "3",
+        "--cache-dir", str(tmp_path / "cache"), "--no-progress",
+    ]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    bert_compare.launch([*common, "--out", str(full)], 2, full, timeout=RUN_TIMEOUT_S, quiet=True)
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["optimizer"] == "ZeroOneAdam" and summary["freeze_step"] == 4
+    assert summary["plans"] == ["variance", "compressed_gradient", "local", "sync"]
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    # Ended on a local step: the ranks' parameters differ, as 0/1 Adam's do between syncs.
+    assert summary["replicas_identical"] is False and summary["params_in_sync"] is False
+    phases = [r["phase"] for r in _records(full, "train")]
+    assert phases == ["variance"] * 4 + ["sync", "local", "sync", "local", "local", "local", "sync", "local"]
+    stats = summary["comm_stats"]
+    assert [stats[kind]["steps"] for kind in summary["plans"]] == [4, 0, 5, 3]
+    assert stats["local"]["bytes_sent"] == 0 and summary["bytes_sent"] == {
+        kind: stats[kind]["bytes_sent"] for kind in summary["plans"]}
+    assert _records(full, "train")[-1]["bytes_by_plan"] == summary["bytes_sent"]
+    # A sync sends 1 bit per element plus a scale per 128 (the config's scale_block_size): here ~21x
+    # fewer bytes than a float32 all-reduce.
+    assert stats["variance"]["bytes_sent"] / 4 > 15 * stats["sync"]["bytes_sent"] / 3
+
+    bert_compare.launch([*common, "--out", str(resumed), "--stop-at", "9"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
+    assert json.loads((resumed / "summary.json").read_text())["replicas_identical"] is False
+    bert_compare.launch([*common, "--out", str(resumed), "--resume"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
+    again = json.loads((resumed / "summary.json").read_text())
+    assert again["final_val_loss"] == summary["final_val_loss"] and again["status"] == "finished"
+    assert [r["loss"] for r in _records(resumed, "train")] == [r["loss"] for r in _records(full, "train")]
 
 
 def test_run_status_trusts_no_non_finite_final_loss():

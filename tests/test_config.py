@@ -1,4 +1,5 @@
-"""onebit.from_config: DeepSpeed-style configs (dict, JSON, YAML) -> OnebitAdam with its backend."""
+"""onebit.from_config: DeepSpeed-style configs (dict, JSON, YAML) -> OnebitAdam, OnebitLamb or
+ZeroOneAdam with its backend."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from onebit import LocalBackend, OnebitAdam, OnebitLamb, OnebitOptimizer, from_config
+from onebit import LocalBackend, OnebitAdam, OnebitLamb, OnebitOptimizer, ZeroOneAdam, from_config
 from onebit.backends.torch_dist import TorchDistBackend
 from onebit.config import CONFIG_KEYS, load_config, optimizer_kwargs
+from onebit.zoadam import DEEPSPEED_IGNORED as ZOADAM_IGNORED
 
 # DeepSpeed's own 1-bit Adam examples (docs/_tutorials/onebit-adam.md): BERT pretraining ...
 BERT_PRETRAINING = {
@@ -239,15 +241,21 @@ def test_from_config_does_not_mutate_the_config():
     assert config == before
 
 
-@pytest.mark.parametrize("kind, cls", [("OneBitAdam", OnebitAdam), ("OneBitLamb", OnebitLamb)])
+@pytest.mark.parametrize("kind, cls", [("OneBitAdam", OnebitAdam), ("OneBitLamb", OnebitLamb),
+                                       ("ZeroOneAdam", ZeroOneAdam)])
 def test_every_plain_keyword_of_the_optimizer_is_a_config_key(kind, cls):
     signature = {**inspect.signature(cls.__init__).parameters, **inspect.signature(OnebitOptimizer.__init__).parameters}
     plain = {n for n, p in signature.items() if p.kind != p.VAR_KEYWORD
              and n not in ("self", "params", "defaults", "backend", "group", "momentum_masks")}
     assert set(CONFIG_KEYS[kind]) == plain
-    deepspeed = {"lr", "betas", "eps", "weight_decay", "freeze_step", "cuda_aware", "comm_backend_name"}
-    deepspeed |= {"bias_correction"} if cls is OnebitAdam else {
-        "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold"}
+    deepspeed = {"lr", "betas", "eps", "weight_decay", "cuda_aware", "comm_backend_name"}
+    deepspeed |= {
+        OnebitAdam: {"freeze_step", "bias_correction"},
+        OnebitLamb: {"freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min",
+                     "factor_threshold"},
+        ZeroOneAdam: {"bias_correction", "var_freeze_step", "var_update_scaler", "local_step_scaler",
+                      "local_step_clipper"},
+    }[cls]
     assert deepspeed <= set(CONFIG_KEYS[kind])
 
 
@@ -283,6 +291,99 @@ def test_an_adam_only_key_is_unknown_to_lamb_and_the_message_lists_lamb_keys():
         from_config(_params(), config)
 
 
+# DeepSpeed's 0/1 Adam docs example (its tutorial's config), as written (bias_correction false: ZeroOneAdam's default).
+ZOADAM_DOCS = {"optimizer": {"type": "ZeroOneAdam", "params": {
+    "lr": 1e-3, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 1000, "var_update_scaler": 16,
+    "local_step_scaler": 1000, "local_step_clipper": 16, "cuda_aware": False, "comm_backend_name": "nccl"}}}
+
+
+def _zoadam_docs(**changes):
+    """The docs example on the local backend."""
+    config = copy.deepcopy(ZOADAM_DOCS)
+    config["optimizer"]["params"].update(comm_backend_name="local", **changes)
+    return config
+
+
+@pytest.mark.parametrize("kind", ["ZeroOneAdam", "zerooneadam", "ZEROONEADAM", "ZeroOneADAM"])
+def test_zerooneadam_type_is_case_insensitive_and_builds_zerooneadam(kind):
+    config = _zoadam_docs()
+    config["optimizer"]["type"] = kind
+    opt = from_config(_params(), config)
+    assert type(opt) is ZeroOneAdam and opt.backend.name == "local"
+    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (1000, 16, 1000, 16)
+    group = opt.param_groups[0]
+    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.999)
+    assert group["bias_correction"] is False  # the example's false: DeepSpeed's numerics, ZeroOneAdam's default
+    assert opt.next_plan.name == "variance"
+
+
+def test_zerooneadam_config_sets_every_hyperparameter_and_absent_keys_take_its_defaults():
+    opt = from_config(_params(), _zoadam_docs(betas=[0.8, 0.98], eps=1e-6, var_freeze_step=7, var_update_scaler=2,
+                                              local_step_scaler=3, local_step_clipper=4, bucket_size=1000,
+                                              bias_correction=True, scale_block_size=64))
+    direct = ZeroOneAdam(_params(), lr=1e-3, betas=(0.8, 0.98), eps=1e-6, weight_decay=0.01, var_freeze_step=7,
+                         var_update_scaler=2, local_step_scaler=3, local_step_clipper=4, bucket_size=1000,
+                         bias_correction=True, scale_block_size=64, backend=LocalBackend())
+    for built in (opt, direct):
+        assert built.param_groups[0]["betas"] == (0.8, 0.98) and built.param_groups[0]["eps"] == 1e-6
+        assert built.param_groups[0]["bias_correction"] is True
+        assert built.bucket_size == 1000 and built.scale_block_size == 64
+    # The schedule decides every step's plan: the same plans from the config as from the constructor.
+    assert [opt.plan_for(t).name for t in range(1, 40)] == [direct.plan_for(t).name for t in range(1, 40)]
+    assert {"variance", "compressed_gradient", "local", "sync"} == {opt.plan_for(t).name for t in range(1, 40)}
+    default = from_config(_params(), {"optimizer": {"type": "ZeroOneAdam", "params": {"comm_backend_name": "local"}}})
+    reference = ZeroOneAdam(_params(), backend=LocalBackend())
+    for key in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        assert getattr(default, key) == getattr(reference, key)
+    for key in ("lr", "betas", "eps", "weight_decay", "bias_correction"):
+        assert default.param_groups[0][key] == reference.param_groups[0][key]
+
+
+def test_deepspeed_zerooneadam_docs_example_keeps_its_hyperparameters_and_bias_correction():
+    """DeepSpeed's example sets bias_correction false (DeepSpeed read and ignored the key); onebit's
+    ZeroOneAdam implements it, off by default: false gives DeepSpeed's numerics, true corrects both
+    moments, and the two train differently."""
+    cls, kwargs, _ = optimizer_kwargs(ZOADAM_DOCS)
+    assert cls is ZeroOneAdam and kwargs == ZOADAM_DOCS["optimizer"]["params"]
+    trajectories = {}
+    for value in (False, True):
+        params = [torch.nn.Parameter(torch.linspace(-1.0, 1.0, 12).reshape(4, 3))]
+        opt = from_config(params, _zoadam_docs(bias_correction=value, var_freeze_step=3))
+        assert opt.param_groups[0]["bias_correction"] is value
+        for step in range(4):
+            params[0].grad = torch.full_like(params[0], 0.1 * (step + 1))
+            opt.step()
+        trajectories[value] = params[0].detach().clone()
+    assert not torch.allclose(trajectories[False], trajectories[True])
+
+
+@pytest.mark.parametrize("key", ["max_grad_norm", "eps_inside_sqrt", "amsgrad"])
+def test_keys_deepspeed_zerooneadam_ignored_are_refused(key):
+    assert key in ZOADAM_IGNORED
+    with pytest.raises(ValueError, match=rf"optimizer.params.{key} is not supported by ZeroOneAdam .*DeepSpeed "
+                                         rf"accepted and ignored it.*remove '{key}'"):
+        from_config(_params(), _zoadam_docs(**{key: False}))
+
+
+def test_freeze_step_in_a_zerooneadam_config_is_refused_naming_var_freeze_step():
+    with pytest.raises(ValueError, match=r"optimizer.params.freeze_step is not a setting of ZeroOneAdam \(0/1 Adam "
+                                         r"has no full-precision warmup; var_freeze_step is .*\): remove 'freeze_step'"):
+        from_config(_params(), _zoadam_docs(freeze_step=100))
+
+
+def test_a_lamb_key_is_unknown_to_zerooneadam_and_the_message_lists_its_keys():
+    with pytest.raises(ValueError, match=r"unknown key 'max_coeff' in optimizer.params of ZeroOneAdam; .*"
+                                         r"'local_step_clipper', 'local_step_scaler'.*'var_freeze_step'"):
+        from_config(_params(), _zoadam_docs(max_coeff=0.3))
+    with pytest.raises(ValueError, match=r"unknown key 'var_freeze_step' in optimizer.params of OneBitAdam"):
+        from_config(_params(), _section(var_freeze_step=10), backend=LocalBackend())
+
+
+def test_zerooneadam_example_builds_on_gloo(gloo_group):
+    opt = from_config(_params(), _with_backend(ZOADAM_DOCS, "gloo"))
+    assert type(opt) is ZeroOneAdam and isinstance(opt.backend, TorchDistBackend) and opt.backend.name == "gloo"
+
+
 def test_momentum_masks_and_group_are_passed_through():
     params = _params()
     mask = torch.ones(4, 3)
@@ -309,8 +410,8 @@ BAD_CONFIGS = [
     ({"optimizer": ["OneBitAdam"]}, TypeError, r"config 'optimizer' must be a mapping"),
     ({"optimizer": {"params": {}}}, ValueError, r"the 'optimizer' section has no 'type'; set \"type\": \"OneBitAdam\""),
     ({"optimizer": {"type": "Adam"}}, ValueError,
-     r"unsupported optimizer type 'Adam'; onebit builds 'OneBitAdam' or 'OneBitLamb'"),
-    ({"optimizer": {"type": "ZeroOneAdam"}}, ValueError, r"unsupported optimizer type 'ZeroOneAdam'"),
+     r"unsupported optimizer type 'Adam'; onebit builds 'OneBitAdam', 'OneBitLamb' or 'ZeroOneAdam' \(case-insensitive\)"),
+    ({"optimizer": {"type": "Zero-One-Adam"}}, ValueError, r"unsupported optimizer type 'Zero-One-Adam'"),
     ({"optimizer": {"type": 1}}, TypeError, r"optimizer.type must be a string, got 1 of type int"),
     ({"optimizer": {"type": "OneBitAdam", "param": {}}}, ValueError, r"unknown keys \['param'\] in the 'optimizer' section"),
     ({"optimizer": {"type": "OneBitAdam", "params": [0.1]}}, TypeError, r"optimizer.params must be a mapping"),
@@ -335,6 +436,17 @@ BAD_CONFIGS = [
     (_section(lr=-1.0), ValueError, r"invalid lr: -1.0"),
     (_section(freeze_step=0), ValueError, r"invalid freeze_step: 0"),
     (_section(comm_backend_name="gloo", cuda_aware=True), ValueError, r"cuda_aware=True applies only to comm_backend_name='mpi'"),
+    (_zoadam_docs(var_freeze_step=1000.0), TypeError,
+     r"optimizer.params.var_freeze_step must be an integer \(a number of steps\), got 1000.0"),
+    (_zoadam_docs(var_update_scaler="16"), TypeError,
+     r"optimizer.params.var_update_scaler must be an integer .*, got '16' of type str; write the number without quotes"),
+    (_zoadam_docs(local_step_scaler=None), TypeError, r"optimizer.params.local_step_scaler must be an integer"),
+    (_zoadam_docs(local_step_clipper=True), TypeError, r"optimizer.params.local_step_clipper must be an integer"),
+    (_zoadam_docs(var_freeze_step=0), ValueError, r"invalid var_freeze_step: 0; it must be >= 1"),
+    (_zoadam_docs(local_step_scaler=0), ValueError, r"invalid local_step_scaler: 0; it must be >= 1"),
+    (_zoadam_docs(local_step_clipper=-4), ValueError, r"invalid local_step_clipper: -4; it must be >= 1"),
+    (_zoadam_docs(lr=-1.0), ValueError, r"invalid lr: -1.0"),
+    (_zoadam_docs(bias_correction="false"), TypeError, r"optimizer.params.bias_correction must be true or false, got 'false'"),
     (42, TypeError, r"config must be a dict or the path of a .json/.yaml file, got int"),
     ("ds_config.txt", ValueError, r"cannot tell the format of config file 'ds_config.txt' from its suffix '.txt'"),
     ("no/such/ds_config.json", FileNotFoundError, r"config file 'no/such/ds_config.json' does not exist"),

@@ -1,4 +1,4 @@
-"""Masked-language-model pretraining of a small BERT with 1-bit Adam or LAMB, data-parallel, one process per rank.
+"""Masked-language-model pretraining of a small BERT with 1-bit Adam, 1-bit LAMB or 0/1 Adam, data-parallel, one process per rank.
 
     torchrun --nproc-per-node 2 examples/bert/pretrain.py --config examples/bert/configs/onebit_gloo.json --out runs/onebit
     mpiexec -n 2 python -m mpi4py examples/bert/pretrain.py --config examples/bert/configs/onebit_mpi.json --out runs/mpi
@@ -7,7 +7,10 @@ The optimizer and its transport come from a DeepSpeed-style JSON config (``onebi
 The model is *not* wrapped in DDP: ``OnebitAdam`` (or ``OnebitLamb``, with
 ``configs/onebit_lamb_gloo.json``) all-reduces the gradients itself during warmup
 and, after ``freeze_step``, averages compressed momenta instead of gradients, so each rank only runs
-backward on its own shard and calls ``optimizer.step()``.
+backward on its own shard and calls ``optimizer.step()``. With ``configs/zoadam_gloo.json``
+(``ZeroOneAdam``, 0/1 Adam) the ranks take local steps between 1-bit syncs once the variance is
+frozen, so their parameters differ between syncs: validation then evaluates every rank's own model
+on the whole validation set and reports the mean over ranks.
 
 Writes to ``--out``: ``metrics.jsonl`` (one JSON object per line: start, train, eval, end),
 ``checkpoint.pt`` every ``--checkpoint-every`` steps (``--resume`` continues from it) and
@@ -61,10 +64,13 @@ RESUME_KEYS = ("corpus", "limit_chars", "vocab_size", "seq_len", "model", "batch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=str(HERE / "configs" / "onebit_gloo.json"),
-                   help="DeepSpeed-style JSON/YAML config with an 'optimizer' section (OneBitAdam or OneBitLamb)")
+                   help="DeepSpeed-style JSON/YAML config with an 'optimizer' section (OneBitAdam, OneBitLamb or "
+                        "ZeroOneAdam)")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, checkpoint.pt, summary.json")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the learning-rate schedule spans them)")
     p.add_argument("--freeze-step", type=int, default=None, help="override the config's freeze_step")
+    p.add_argument("--var-freeze-step", type=int, default=None,
+                   help="override the config's var_freeze_step (ZeroOneAdam)")
     p.add_argument("--lr", type=float, default=None, help="override the config's (peak) lr")
     p.add_argument("--comm-backend", default=None, help="override the config's comm_backend_name (gloo, nccl, mpi, ...)")
     p.add_argument("--lr-warmup", type=int, default=None, help="linear lr warmup steps (default: 5%% of --steps)")
@@ -116,7 +122,8 @@ def read_config(args: argparse.Namespace) -> dict:
         config = json.loads(path.read_text(encoding="utf-8"))
     config = copy.deepcopy(config)
     params = config.setdefault("optimizer", {}).setdefault("params", {})
-    for key, value in (("freeze_step", args.freeze_step), ("lr", args.lr), ("comm_backend_name", args.comm_backend)):
+    for key, value in (("freeze_step", args.freeze_step), ("var_freeze_step", args.var_freeze_step), ("lr", args.lr),
+                       ("comm_backend_name", args.comm_backend)):
         if value is not None:
             params[key] = value
     return config
@@ -276,6 +283,12 @@ def build_optimizer(params, config: dict, masks: dict):
     return onebit.from_config(params, config, momentum_masks=masks)
 
 
+def first_phase_steps(optimizer) -> int:
+    """The length of the optimizer's first phase: ``freeze_step`` (1-bit Adam and LAMB: the
+    full-precision warmup) or ``var_freeze_step`` (0/1 Adam: until the variance is frozen)."""
+    return optimizer.var_freeze_step if isinstance(optimizer, onebit.ZeroOneAdam) else optimizer.freeze_step
+
+
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
     if step <= warmup:
@@ -319,10 +332,14 @@ def train_batch(blocks: torch.Tensor, step: int, rank: int, world_size: int, bat
 
 
 @torch.no_grad()
-def evaluate(model, inputs: torch.Tensor, labels: torch.Tensor, world, device: torch.device, batch_size: int) -> float:
-    """Mean masked-token loss over the whole validation set (fixed masks), split across ranks."""
+def evaluate(model, inputs: torch.Tensor, labels: torch.Tensor, world, device: torch.device, batch_size: int,
+             same_model: bool = True) -> float:
+    """Mean masked-token loss over the whole validation set (fixed masks), split across ranks.
+
+    ``same_model=False`` (the ranks hold different parameters, e.g. between 0/1 Adam's syncs):
+    every rank evaluates its own model on the whole set; the result is the mean over ranks."""
     model.eval()
-    rows = torch.arange(world.rank, inputs.shape[0], world.world_size)
+    rows = torch.arange(world.rank, inputs.shape[0], world.world_size) if same_model else torch.arange(inputs.shape[0])
     total = torch.zeros(2, dtype=torch.float32, device=device)
     for start in range(0, rows.numel(), batch_size):
         chunk = rows[start:start + batch_size]
@@ -419,8 +436,9 @@ def train(args: argparse.Namespace) -> dict:
     base_lrs = [group["lr"] for group in optimizer.param_groups]
 
     ckpt_path = out / "checkpoint.pt"
-    start, offset_bytes, offset_s = 0, {"warmup": 0, "compression": 0}, 0.0
-    offset_skipped, offset_in_a_row, val_losses = {"warmup": 0, "compression": 0}, 0, []
+    plans = optimizer.PLAN_NAMES  # the kinds of step comm_stats() counts: warmup, compression; or 0/1 Adam's
+    start, offset_bytes, offset_s = 0, dict.fromkeys(plans, 0), 0.0
+    offset_skipped, offset_in_a_row, val_losses = dict.fromkeys(plans, 0), 0, []
     if args.resume:
         state = load_checkpoint(ckpt_path, args, model, optimizer)
         start, offset_bytes, offset_s = state["step"], state["bytes_sent"], state["elapsed_s"]
@@ -429,7 +447,7 @@ def train(args: argparse.Namespace) -> dict:
         offset_in_a_row = state.get("skipped_in_a_row", 0)
         val_losses = [tuple(sv) for sv in state.get("val_losses", [])]
         logger.info("resumed from %s at step %d", ckpt_path, start)
-    if not params_in_sync(model, world, device):
+    if optimizer.replicas_identical and not params_in_sync(model, world, device):
         raise RuntimeError("ranks start from different parameters; check that every rank runs the same code and versions")
 
     num_params = sum(p.numel() for p in model.parameters())
@@ -438,9 +456,11 @@ def train(args: argparse.Namespace) -> dict:
     metrics.write(event="start", step=start, world_size=world_size, num_params=num_params, device=str(device),
                   backend=world.name, config=config, settings=settings, resumed=bool(args.resume),
                   train_blocks=data.train.shape[0], val_blocks=data.val.shape[0])
-    logger.info("%s: %.2fM parameters, %d ranks (%s, %s), %d train / %d val blocks of %d tokens, freeze_step %d",
-                args.model, num_params / 1e6, world_size, world.name, device, data.train.shape[0], data.val.shape[0],
-                args.seq_len, optimizer.freeze_step)
+    logger.info("%s: %.2fM parameters, %d ranks (%s, %s), %d train / %d val blocks of %d tokens, %s: %s %d; "
+                "steps: %s", args.model, num_params / 1e6, world_size, world.name, device, data.train.shape[0],
+                data.val.shape[0], args.seq_len, type(optimizer).__name__,
+                "var_freeze_step" if isinstance(optimizer, onebit.ZeroOneAdam) else "freeze_step",
+                first_phase_steps(optimizer), ", ".join(plans))
 
     def bytes_sent() -> dict:
         stats = optimizer.comm_stats()
@@ -459,7 +479,8 @@ def train(args: argparse.Namespace) -> dict:
         return offset_s + time.perf_counter() - t0
 
     def validate(step: int) -> float:
-        val_loss = evaluate(model, val_inputs, val_labels, world, device, 2 * args.batch_size)
+        val_loss = evaluate(model, val_inputs, val_labels, world, device, 2 * args.batch_size,
+                            same_model=optimizer.replicas_identical)
         val_losses.append((step, val_loss))
         metrics.write(event="eval", step=step, val_loss=val_loss)
         return val_loss
@@ -498,7 +519,7 @@ def train(args: argparse.Namespace) -> dict:
             sent = bytes_sent()
             stats = optimizer.comm_stats()
             record = dict(event="train", step=step, loss=float(loss_sum) / window_steps, lr=base_lrs[0] * factor, phase=phase,
-                          tokens_per_s=tps, bytes_sent=sent["warmup"] + sent["compression"],
+                          tokens_per_s=tps, bytes_sent=sum(sent.values()), bytes_by_plan=sent,
                           step_bytes=stats["last_step"]["bytes_sent"], elapsed_s=elapsed(),
                           worker_error_norm=stats["worker_error_norm"], server_error_norm=stats["server_error_norm"],
                           error_to_momentum=stats.get("error_to_momentum"))
@@ -524,14 +545,15 @@ def train(args: argparse.Namespace) -> dict:
         bar.close()
 
     summary = {"step": stop, "finished": stop == args.steps, "wall_s": elapsed(), "world_size": world_size,
-               "backend": world.name, "num_params": num_params, "freeze_step": optimizer.freeze_step,
+               "backend": world.name, "num_params": num_params, "optimizer": type(optimizer).__name__,
+               "freeze_step": first_phase_steps(optimizer), "plans": list(plans),
                "bytes_sent": bytes_sent(), "comm_stats": optimizer.comm_stats()}
     if stop == args.steps:
         summary["final_val_loss"] = validate(stop)
     # None when the run stopped early (--stop-at) and has no final loss.
     summary["final_val_loss_finite"] = math.isfinite(summary["final_val_loss"]) if "final_val_loss" in summary else None
     skipped = skipped_steps()
-    summary["skipped_steps"] = skipped["warmup"] + skipped["compression"]
+    summary["skipped_steps"] = sum(skipped[phase] for phase in plans)
     summary["skipped_in_a_row"] = skipped["in_a_row"]
     initial = val_losses[0][1] if val_losses and val_losses[0][0] == 0 else None
     summary["initial_val_loss"] = initial
@@ -539,6 +561,8 @@ def train(args: argparse.Namespace) -> dict:
     summary["status"], summary["status_reason"] = judge_run(val_losses, data.vocab_size, stop == args.steps,
                                                             skipped["in_a_row"])
     summary["params_in_sync"] = params_in_sync(model, world, device)
+    # False only between 0/1 Adam's syncs (local steps): then the ranks' parameters differ by design.
+    summary["replicas_identical"] = optimizer.replicas_identical
     metrics.write(event="end", **summary)
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
