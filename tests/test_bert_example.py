@@ -322,12 +322,9 @@ def test_compare_optimizer_lamb_runs_lamb_and_onebit_lamb(tmp_path, monkeypatch,
 ZOADAM_PLANS = {"variance": (2, 6000), "compressed_gradient": (0, 0), "local": (5, 0), "sync": (3, 200)}
 
 
-def test_compare_optimizer_zoadam_runs_adam_and_zerooneadam(tmp_path, monkeypatch, capsys):
-    """``--optimizer zoadam``: Adam's config against configs/zoadam_gloo.json with var_freeze_step
-    = 20% of the steps; 0/1 Adam's kinds of step are listed below the table with their bytes."""
-    from onebit import ZeroOneAdam
-    from onebit.config import load_config, optimizer_kwargs
-
+def _fake_zoadam_comparison(monkeypatch) -> list:
+    """Stub ``compare.launch``: Adam ends at 5.2, 0/1 Adam at 5.23 with ZOADAM_PLANS; returns the
+    list the launches' arguments are appended to."""
     launched = []
 
     def fake_launch(script_args, world_size, log_dir, **kwargs):
@@ -339,6 +336,16 @@ def test_compare_optimizer_zoadam_runs_adam_and_zerooneadam(tmp_path, monkeypatc
             _fake_run(run_dir, 10, 5.23, "finished", plans=ZOADAM_PLANS)
 
     monkeypatch.setattr(bert_compare, "launch", fake_launch)
+    return launched
+
+
+def test_compare_optimizer_zoadam_runs_adam_and_zerooneadam(tmp_path, monkeypatch, capsys):
+    """``--optimizer zoadam``: Adam's config against configs/zoadam_gloo.json with var_freeze_step
+    = 20% of the steps; 0/1 Adam's kinds of step are listed below the table with their bytes."""
+    from onebit import ZeroOneAdam
+    from onebit.config import load_config, optimizer_kwargs
+
+    launched = _fake_zoadam_comparison(monkeypatch)
     comparison = bert_compare.main(["--optimizer", "zoadam", "--steps", "10", "--out", str(tmp_path), "--quiet"])
     assert bert_compare.exit_status(comparison) == 0 and comparison["failed_runs"] == []
     configs = [Path(args[args.index("--config") + 1]).name for args in launched]
@@ -385,17 +392,7 @@ def test_compare_zoadam_adds_a_finished_onebit_run_from_another_comparison(tmp_p
     previous = tmp_path / "previous"
     _fake_run(previous / "onebit", 10, 5.21, "finished", plans={"warmup": (2, 6000), "compression": (8, 200)},
               start=start)
-    launched = []
-
-    def fake_launch(script_args, world_size, log_dir, **kwargs):
-        launched.append(script_args)
-        run_dir = Path(script_args[script_args.index("--out") + 1])
-        if run_dir.name == "adam":
-            _fake_run(run_dir, 10, 5.2, "finished", plans={"warmup": (10, 6000), "compression": (0, 0)})
-        else:
-            _fake_run(run_dir, 10, 5.23, "finished", plans=ZOADAM_PLANS)
-
-    monkeypatch.setattr(bert_compare, "launch", fake_launch)
+    launched = _fake_zoadam_comparison(monkeypatch)
     comparison = bert_compare.main(["--optimizer", "zoadam", "--steps", "10", "--out", str(tmp_path / "cmp"), "--quiet",
                                     "--onebit-from", str(previous)])
     assert len(launched) == 2  # the 1-bit Adam run is read, not run again
