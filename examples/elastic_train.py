@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.all_gather(everyone, params)
     if opt.replicas_identical and not all(torch.equal(p, params) for p in everyone):  # not between syncs
         raise RuntimeError("parameters differ between ranks at the end of the run")
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 

@@ -35,8 +35,9 @@ def _torchrun(out: Path, ranks: int, *args: str, crash: str | None = None, steps
     script = HERE / "crash_inject.py" if crash else EXAMPLE
     crashes = len(crash.split(",")) if crash else 0
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               # room for a restart that fails for another reason (none seen since the store prefix)
-               f"--max-restarts={2 * crashes}", str(script),
+               # room for a restart that fails for another reason (one seen since the store prefix: a
+               # rank aborted at exit, after writing its final parameters; a restart redoes the same steps)
+               f"--max-restarts={2 * crashes + 1}", str(script),
                "--out", str(out), "--steps", str(steps), "--save-every", str(SAVE_EVERY), *args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
