@@ -120,5 +120,7 @@ def test_a_restart_on_another_world_size_loads_and_resets_the_errors(tmp_path):
     finals = _torchrun(tmp_path, 3, *ZOADAM, steps=ZOADAM_STEPS)
     assert all(torch.equal(final, finals[0]) for final in finals) and bool(torch.isfinite(finals[0]).all())
     log = (tmp_path / "torchrun-1.log").read_text()
-    assert log.count("exact resume not possible") == 3 and "it was saved on 2 ranks, this run has 3" in log
+    # Every rank of every incarnation says so (3 lines; 6 after a restart for another reason).
+    assert log.count("exact resume not possible") % 3 == 0 < log.count("exact resume not possible")
+    assert "it was saved on 2 ranks, this run has 3" in log
     assert "resumes after step 20" in log
