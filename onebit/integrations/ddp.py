@@ -20,7 +20,18 @@ import torch.distributed as dist
 
 from ..engine import OnebitOptimizer
 
-__all__ = ["attach_ddp", "onebit_ddp_hook"]
+__all__ = ["attach_ddp", "onebit_ddp_hook", "unwrap_optimizer"]
+
+
+def unwrap_optimizer(optimizer: Any) -> OnebitOptimizer | None:
+    """The onebit optimizer inside ``optimizer``: itself, or the one a framework wrapped
+    (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, both keep it as
+    ``.optimizer``, at most a few levels deep); ``None`` when there is none."""
+    for _ in range(4):
+        if optimizer is None or isinstance(optimizer, OnebitOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+    return optimizer if isinstance(optimizer, OnebitOptimizer) else None
 
 
 class _HookState:

@@ -13,19 +13,9 @@ from typing import Any
 
 import torch
 
-from ..engine import OnebitOptimizer
-from .ddp import attach_ddp
+from .ddp import attach_ddp, unwrap_optimizer
 
 __all__ = ["attach_trainer"]
-
-
-def _onebit_optimizer(optimizer: Any) -> Any:
-    # accelerate wraps the optimizer (AcceleratedOptimizer.optimizer); unwrap to the onebit one.
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, OnebitOptimizer) and seen < 4:
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return optimizer
 
 
 def attach_trainer(trainer: Any) -> None:
@@ -39,7 +29,7 @@ def attach_trainer(trainer: Any) -> None:
         raise ImportError('attach_trainer needs transformers: pip install "onebit[examples]"') from exc
     if not hasattr(trainer, "add_callback") or not hasattr(trainer, "model_wrapped"):
         raise TypeError(f"attach_trainer needs a transformers.Trainer, got {type(trainer).__name__}")
-    if _onebit_optimizer(trainer.optimizer) is None:
+    if unwrap_optimizer(trainer.optimizer) is None:
         raise ValueError(
             "the Trainer has no onebit optimizer: build it with optimizers=(OnebitAdam(model.parameters(), ...), scheduler)"
         )
@@ -52,7 +42,7 @@ def attach_trainer(trainer: Any) -> None:
             if not self.attached:
                 model = trainer.model_wrapped
                 if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-                    attach_ddp(model, _onebit_optimizer(trainer.optimizer))
+                    attach_ddp(model, unwrap_optimizer(trainer.optimizer))
                 self.attached = True
             return control
 
