@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .collectives import CompressionState
@@ -261,13 +262,21 @@ def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> tuple[torch.Te
     zeros = bucket.padded - int(torch.count_nonzero(keep))  # the padding included: it is zeroed too
     bucket.frozen_zeros = bucket.frozen_keep = None
     if zeros * _DENSE_MASK_RATIO > bucket.padded:
-        signs = torch.full((bucket.padded,), -1.0, device=bucket.device)
-        signs.masked_fill_(keep, 1.0)
-        bucket.frozen_keep = pack_signs(signs)
+        bucket.frozen_keep = pack_keep(keep)
     elif zeros:
         bucket.frozen_zeros = torch.nonzero(~keep).flatten()
     bucket.frozen_mask_ready = True
     return keep, dead_count
+
+
+def pack_keep(keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` (bool, length a multiple of 8) as the decode's packed mask: bit 1 where kept, MSB
+    first, i.e. ``pack_signs`` of +1 where kept and -1 elsewhere. On the CPU numpy packs the
+    bools directly (~30x faster than building the signs: 0/1 Adam rebuilds the mask after a
+    variance step that gave zero-variance coordinates a variance)."""
+    if keep.device.type == "cpu":
+        return torch.from_numpy(np.packbits(keep.numpy()))
+    return pack_signs(torch.where(keep, 1.0, -1.0))
 
 
 def check_grads(buckets: list[Bucket], owner: str) -> None:

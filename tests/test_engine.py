@@ -194,3 +194,13 @@ def test_import_onebit_sets_no_warnings_filter_and_the_estimate_cli_runs_without
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "RuntimeWarning" not in out.stderr
+
+
+def test_pack_keep_is_pack_signs_of_the_keep_signs():
+    from onebit.buckets import pack_keep
+    from onebit.kernels.reference import pack_signs
+
+    gen = torch.Generator().manual_seed(3)
+    for n in (8, 64, 8 * 1001):
+        keep = torch.rand(n, generator=gen) < 0.7
+        assert torch.equal(pack_keep(keep), pack_signs(torch.where(keep, 1.0, -1.0)))
