@@ -1,7 +1,11 @@
 """A onebit optimizer in a Hugging Face Accelerate loop, on N processes (gloo on CPU, nccl on GPUs).
 
-    accelerate launch --num_processes 2 examples/accelerate/train.py --steps 12 --freeze-step 4
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate/train.py --steps 12 --freeze-step 4
     torchrun --nproc-per-node 2 examples/accelerate/train.py --steps 12 --freeze-step 4   # the same
+
+(On a machine without GPUs ``--multi_gpu`` still starts 2 processes, through torchrun, and the
+script's ``Accelerator(cpu=True)`` makes them train data-parallel on the CPU with gloo;
+``accelerate launch --cpu`` would start only one.)
 
 A small MLP fits a fixed random teacher on synthetic batches (different on every rank).
 ``accelerator.prepare`` wraps the model in DDP; ``attach_accelerate`` gives that DDP the onebit hook,
@@ -74,7 +78,7 @@ class GradientCollectives:
 
 
 def train_accelerate(args, rank: int, counter: GradientCollectives) -> dict:
-    # On CPU accelerate wraps the model in DDP only when told it runs on CPU (or: accelerate launch --cpu).
+    # On CPU accelerate wraps the model in DDP only when told it runs on CPU (or ACCELERATE_USE_CPU=1).
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.accumulate,
                               mixed_precision=args.mixed_precision)
     model = make_model()
