@@ -19,6 +19,7 @@ import torch
 
 from .collectives import CompressionState
 from .compression import SegmentLayout
+from .hierarchy import Topology, TwoLevelState
 from .kernels.reference import pack_signs
 
 __all__ = ["Bucket", "split_into_buckets", "set_masks", "check_grads", "grads_of", "all_finite", "build_keep_mask",
@@ -42,7 +43,8 @@ class Bucket:
     """
 
     def __init__(self, group_index: int, params: list[torch.Tensor], world_size: int, compress: bool,
-                 scale_block_size: int | None, buffers: Sequence[str], scalars: Mapping[str, float]) -> None:
+                 scale_block_size: int | None, buffers: Sequence[str], scalars: Mapping[str, float],
+                 topology: Topology | None = None) -> None:
         self.group_index = group_index
         self.params = params
         self.device = params[0].device
@@ -82,8 +84,11 @@ class Bucket:
         self.denominators: list[torch.Tensor] = []
         self.compressed: torch.Tensor | None = None  # the buffer of the last compressed step
         self.same_dtype = all(p.dtype == torch.float32 for p in params)
-        self.compression = (CompressionState(self.padded, world_size, self.device, self.layout.edges)
-                            if compress else None)
+        self.compression: CompressionState | TwoLevelState | None = None
+        if compress and topology is not None:
+            self.compression = TwoLevelState(self.padded, self.layout.edges, topology, self.device)
+        elif compress:
+            self.compression = CompressionState(self.padded, world_size, self.device, self.layout.edges)
 
     def add_buffer(self, name: str) -> None:
         """Allocate the per-element state buffer ``name`` (zeros) and its views, if absent."""

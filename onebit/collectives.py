@@ -92,7 +92,11 @@ def compressed_allreduce_(
 
 
 def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBackend, kernels: KernelSet) -> None:
-    """Stage 1: compress ``buffer`` with the worker error and start the all-to-all of its signs."""
+    """Stage 1: compress ``buffer`` with the worker error and start the all-to-all of its signs.
+    (A two-level state, :class:`onebit.hierarchy.TwoLevelState`, runs its own stages on its own
+    groups, as do the two functions below.)"""
+    if not isinstance(state, CompressionState):
+        return state.start_worker_(buffer, kernels)
     n = backend.world_size
     if n != state.world_size:
         raise ValueError(f"state was built for world size {state.world_size}, backend has {n}")
@@ -112,6 +116,8 @@ def start_server_(state: CompressionState, backend: CommBackend, kernels: Kernel
     """Stage 2: once this rank's chunk has arrived, average and recompress it with the server
     error, and start the all-gather of the result."""
     _expect_stage(state, 1, "start_server_", "start_worker_")
+    if not isinstance(state, CompressionState):
+        return state.start_server_(kernels)
     state.pending.wait()
     signs = chunk_bytes(state.padded, state.world_size)
     server_scales = kernels.server_compress_(
@@ -128,6 +134,8 @@ def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet,
     """Stage 3: once every server chunk has arrived, decode them into ``buffer`` (``+0.0`` where
     the packed bits ``keep``, if given, are clear: see :func:`onebit.kernels.reference.decode_`)."""
     _expect_stage(state, 2, "finish_", "start_server_")
+    if not isinstance(state, CompressionState):
+        return state.finish_(buffer, kernels, keep)
     state.pending.wait()
     state.pending, state.stage = COMPLETED, 0
     signs = chunk_bytes(state.padded, state.world_size)

@@ -96,6 +96,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "nonfinite_grads": (lambda v: isinstance(v, str), "a string such as \"skip\" or \"raise\""),
     "divergence": (lambda v: isinstance(v, str), "a string such as \"warn\" or \"raise\""),
     "scale_block_size": (lambda v: v is None or _integer(v), "an integer (elements per scale) or null"),
+    "hierarchy": (lambda v: v is None or v == "host" or _integer(v),
+                  "null (flat), \"host\" or an integer (ranks per node)"),
+    "hierarchy_variant": (lambda v: isinstance(v, str), "a string: \"compressed\" or \"node_mean\""),
     **{key: (_real, "a number")
        for key in ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")},
 }

@@ -14,6 +14,8 @@ step averages gradients in full precision; ``comm_stats()`` counts steps and byt
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -29,6 +31,7 @@ from .health import HEALTH_CHECK_INTERVAL, Health, error_ratio
 from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
 from .state import StateDictContract
+from .hierarchy import Topology, build_topology, check_hierarchy
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import check_common_group, check_engine_options, check_flag, check_params
 
@@ -112,8 +115,11 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         nonfinite_grads: str = "skip",
         scale_block_size: int | None = None,
         divergence: str = "warn",
+        hierarchy: Any = None,
+        hierarchy_variant: str = "compressed",
     ) -> None:
         check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
+        check_hierarchy(hierarchy, hierarchy_variant)
         defaults = {**defaults, "compress": True}
         self._check_group(defaults)
         self.bucket_size = bucket_size
@@ -131,6 +137,12 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
             resolve_backend(comm_backend_name, backend, cuda_aware=cuda_aware, group=group), self.PLAN_NAMES)
+        self._topology: Topology | None = None
+        if hierarchy is not None:
+            topology = build_topology(self._backend.inner, hierarchy, hierarchy_variant)
+            if topology is not None:
+                intra, cross = self._backend.add_levels(topology.intra, topology.cross)
+                self._topology = dataclasses.replace(topology, intra=intra, cross=cross)
         self._kernels: dict[torch.device, KernelSet] = {}
         for index in range(len(self.param_groups)):
             self._build_group_buckets(index)
@@ -210,7 +222,8 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         group = self.param_groups[index]
         for params in split_into_buckets(group["params"], self.bucket_size):
             bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
-                            [name for name in self._BUFFERS if name not in self._LAZY], self._SCALARS)
+                            [name for name in self._BUFFERS if name not in self._LAZY], self._SCALARS,
+                            topology=self._topology)
             for i, p in enumerate(params):
                 self.state[p] = {**{name: views[i] for name, views in bucket.views.items()},
                                  **{name: values[i] for name, values in bucket.scalars.items()}}
@@ -262,6 +275,11 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         return self._backend.inner
 
     @property
+    def topology(self) -> Topology | None:
+        """The two-level topology of the compressed all-reduce (``hierarchy=``), or ``None`` (flat)."""
+        return self._topology
+
+    @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 
@@ -291,8 +309,8 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
             "phase": self.phase,
             "step": self._step,
             "buckets": len(self._buckets),
-            **{name: stats.as_dict() for name, stats in self._backend.totals.items()},
-            "last_step": self._backend.last_step.as_dict(),
+            **{name: self._backend.stats_dict(name) for name in self._backend.totals},
+            "last_step": self._backend.stats_dict(None),
             "worker_error_norm": l2_norm(w for w, _ in errors),
             "server_error_norm": l2_norm(s for _, s in errors),
             "skipped_in_a_row": self._health.skipped_in_a_row,
@@ -424,7 +442,7 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
             if bucket.frozen_keep is None and bucket.frozen_zeros is not None:
                 bucket.compressed.index_fill_(0, bucket.frozen_zeros, 0.0)
             if measure:
-                ratios.append(error_ratio(bucket.compression.worker_error, bucket.compressed, _segment_sizes(bucket)))
+                ratios.append(_error_ratio(bucket))
             with self._timed("update"):
                 self._update_compressed(bucket, self.param_groups[bucket.group_index], t)
         if measure:
@@ -440,6 +458,13 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         return timed_kernels(kernels, self._timed) if self._timed.callbacks else kernels
 
 
-def _segment_sizes(bucket: Bucket) -> list[int]:
+def _error_ratio(bucket: Bucket) -> float | None:
+    """The health check's ratio for the buffer this rank's worker stage compressed: the bucket's,
+    or with a two-level ``"node_mean"`` all-reduce the node mean of its shard (segments ``1/L``)."""
     edges = bucket.layout.edges
-    return [b - a for a, b in zip(edges[:-1], edges[1:])]
+    sizes = [b - a for a, b in zip(edges[:-1], edges[1:])]
+    state = bucket.compression
+    node_mean = getattr(state, "compressed_input", None)
+    if node_mean is None:
+        return error_ratio(state.worker_error, bucket.compressed, sizes)
+    return error_ratio(state.worker_error, node_mean, [size // state.topology.local for size in sizes])

@@ -76,10 +76,36 @@ class InstrumentedBackend(CommBackend):
         self.kind = self.names[0]
         self.totals = {name: PhaseStats() for name in self.names}
         self.last_step = PhaseStats()
+        for level in getattr(self, "levels", {}).values():
+            level.reset()
+
+    def add_levels(self, intra: CommBackend, cross: CommBackend) -> tuple[InstrumentedBackend, InstrumentedBackend]:
+        """Count a two-level all-reduce's intra-node and inter-node groups too (returned wrapped):
+        their bytes join this backend's in :meth:`stats_dict`, and also appear on their own."""
+        self.levels = {"intra_node": InstrumentedBackend(intra, self.names),
+                       "inter_node": InstrumentedBackend(cross, self.names)}
+        return self.levels["intra_node"], self.levels["inter_node"]
 
     def begin_step(self, kind: str) -> None:
         self.kind = kind
         self.last_step = PhaseStats()
+        for level in getattr(self, "levels", {}).values():
+            level.begin_step(kind)
+
+    def stats_dict(self, kind: str | None) -> dict[str, Any]:
+        """The statistics of plan ``kind`` (``None``: the last step). With levels: ``bytes_sent``
+        and ``collectives`` count every group, and ``intra_node_bytes_sent`` /
+        ``inter_node_bytes_sent`` the two-level all-reduce's groups alone (what crosses the network
+        between nodes is ``inter_node_bytes_sent``; the group-wide collectives, e.g. the
+        finiteness flag, are in ``bytes_sent`` only)."""
+        out = (self.last_step if kind is None else self.totals[kind]).as_dict()
+        for name, level in getattr(self, "levels", {}).items():
+            stats = level.last_step if kind is None else level.totals[kind]
+            out["bytes_sent"] += stats.bytes_sent
+            out["collectives"] += stats.collectives
+            out["comm_time_s"] += stats.comm_time_s
+            out[f"{name}_bytes_sent"] = stats.bytes_sent
+        return out
 
     def end_step(self, applied: bool, seconds: float) -> None:
         for stats in (self.totals[self.kind], self.last_step):

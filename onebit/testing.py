@@ -15,7 +15,7 @@ import torch
 from .compression import SegmentLayout
 from .kernels.blocked import blocked_rms_scale
 
-__all__ = ["SimulationResult", "simulate_compressed_allreduce"]
+__all__ = ["SimulationResult", "simulate_compressed_allreduce", "HierarchicalResult", "simulate_hierarchical_allreduce"]
 
 
 @dataclass
@@ -114,3 +114,108 @@ def simulate_compressed_allreduce(
         server_scales=server_scales,
         server_signs=server_signs,
     )
+
+
+@dataclass
+class HierarchicalResult:
+    output: torch.Tensor  # the (unpadded) result every rank receives
+    worker_errors: list[torch.Tensor]  # per rank, as TwoLevelState.worker_error
+    server_errors: list[torch.Tensor]  # per rank, as TwoLevelState.server_error
+
+
+def simulate_hierarchical_allreduce(
+    inputs: list[torch.Tensor],
+    local: int,
+    variant: str = "compressed",
+    worker_errors: list[torch.Tensor] | None = None,
+    server_errors: list[torch.Tensor] | None = None,
+    *,
+    numels: Sequence[int] | None = None,
+    scale_block_size: int | None = None,
+) -> HierarchicalResult:
+    """The two-level compressed mean (:mod:`onebit.hierarchy`) of ``inputs``, one per simulated
+    rank, ranks ``p * local + j`` forming node ``p``; written from the maths, as
+    :func:`simulate_compressed_allreduce`, without packing, wire rows or groups.
+
+    Errors are in :class:`onebit.hierarchy.TwoLevelState`'s layouts (rank ``(p, j)``'s shard
+    ``j`` is chunk ``j`` of each segment cut in ``local`` chunks; its global server chunk is chunk
+    ``j P + p`` of each segment cut in ``n``), default to zeros, and are not modified (new ones
+    are returned). ``variant``: ``"compressed"`` or ``"node_mean"``.
+    """
+    n = len(inputs)
+    if local < 1 or n % local:
+        raise ValueError(f"{n} inputs are not whole nodes of local={local}")
+    nodes = n // local
+    total = inputs[0].numel()
+    numels = [total] if numels is None else list(numels)
+    layout = SegmentLayout.build(numels, n, scale_block_size)
+    padded, edges = layout.padded, layout.edges
+    shard = padded // local
+    compressed = variant == "compressed"
+    node_size = shard if compressed else 0
+    if worker_errors is None:
+        worker_errors = [torch.zeros(padded if compressed else shard) for _ in range(n)]
+    if server_errors is None:
+        server_errors = [torch.zeros(node_size + padded // n) for _ in range(n)]
+    xs = []
+    for i in range(n):
+        x, flat, offset = torch.zeros(padded), inputs[i].detach().float().cpu().reshape(-1), 0
+        for start, numel in zip(layout.starts, numels):
+            x[start:start + numel] = flat[offset:offset + numel]
+            offset += numel
+        xs.append(x)
+    new_worker = [e.detach().cpu().clone() for e in worker_errors]
+    new_server = [e.detach().cpu().clone() for e in server_errors]
+    full = torch.zeros(padded)
+
+    def rank(p: int, j: int) -> int:
+        return p * local + j
+
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        w, u = (hi - lo) // local, (hi - lo) // n  # a shard's piece of the segment; a global chunk
+        node_lo, global_lo = lo // local, lo // n  # where this segment starts in a shard / a global chunk
+        # The values sent across nodes: (scale, signs) of rank (p, j) for its shard piece.
+        crossing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        if compressed:
+            worker = {}
+            for r in range(n):  # every rank compresses the whole segment
+                b = xs[r][lo:hi] + worker_errors[r][lo:hi].cpu()
+                s, q = _rms(b), _sign(b)
+                worker[r] = (s, q)
+                new_worker[r][lo:hi] = b - s * q
+            for p in range(nodes):
+                for j in range(local):  # node server of shard j
+                    piece = slice(j * w, (j + 1) * w)
+                    acc = worker[rank(p, 0)][0] * worker[rank(p, 0)][1][piece]
+                    for k in range(1, local):
+                        acc = acc + worker[rank(p, k)][0] * worker[rank(p, k)][1][piece]
+                    mine = slice(node_lo, node_lo + w)
+                    c = acc / local + server_errors[rank(p, j)][:node_size][mine].cpu()
+                    s, q = _rms(c), _sign(c)
+                    crossing[p, j] = (s, q)
+                    new_server[rank(p, j)][:node_size][mine] = c - s * q
+        else:
+            for p in range(nodes):
+                for j in range(local):  # the node mean of shard j, then its 1-bit compression
+                    piece = slice(lo + j * w, lo + (j + 1) * w)
+                    mean = xs[rank(p, 0)][piece]
+                    for k in range(1, local):
+                        mean = mean + xs[rank(p, k)][piece]
+                    mine = slice(node_lo, node_lo + w)
+                    b = mean / local + worker_errors[rank(p, j)][mine].cpu()
+                    s, q = _rms(b), _sign(b)
+                    crossing[p, j] = (s, q)
+                    new_worker[rank(p, j)][mine] = b - s * q
+        for j in range(local):
+            for p in range(nodes):  # global server of chunk p of shard j
+                sub = slice(p * u, (p + 1) * u)
+                acc = crossing[0, j][0] * crossing[0, j][1][sub]
+                for k in range(1, nodes):
+                    acc = acc + crossing[k, j][0] * crossing[k, j][1][sub]
+                mine = slice(node_size + global_lo, node_size + global_lo + u)
+                d = acc / nodes + server_errors[rank(p, j)][mine].cpu()
+                s, q = _rms(d), _sign(d)
+                new_server[rank(p, j)][mine] = d - s * q
+                full[lo + j * w + p * u:lo + j * w + (p + 1) * u] = s * q
+    output = torch.cat([full[start:start + numel] for start, numel in zip(layout.starts, numels)])
+    return HierarchicalResult(output=output, worker_errors=new_worker, server_errors=new_server)
