@@ -300,11 +300,21 @@ def check_grads(buckets: list[Bucket], owner: str) -> None:
 
 
 def layout_digest(buckets: list[Bucket]) -> str:
-    """16 hex digits that differ when the layout (groups, shapes, dtypes, buckets, segments) does."""
+    """16 hex digits that differ when the layout (groups, shapes, dtypes, buckets, segments, and a
+    two-level all-reduce's nodes, ranks per node and variant, whose errors have other shapes) does."""
     description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
                          None if b.layout is None else b.layout.edges,
-                         [(tuple(p.shape), str(p.dtype)) for p in b.params]) for b in buckets])
+                         [(tuple(p.shape), str(p.dtype)) for p in b.params], *_two_level(b)) for b in buckets])
     return hashlib.sha256(description.encode()).hexdigest()[:16]
+
+
+def _two_level(bucket: Bucket) -> list[tuple[int, int, str]]:
+    """``[(nodes, local, variant)]`` for a bucket with a two-level all-reduce, else ``[]`` (so the
+    digests of flat layouts, saved in checkpoints, stay what they were)."""
+    if isinstance(bucket.compression, TwoLevelState):
+        topology = bucket.compression.topology
+        return [(topology.nodes, topology.local, topology.variant)]
+    return []
 
 
 def check_layout(buckets: list[Bucket], backend: Any) -> None:

@@ -79,6 +79,16 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
             steps); ``'raise'``: every rank raises ``FloatingPointError`` instead.
         kernels: codec implementation (``'auto'``, ``'reference'``, or a native one); default
             from the ``ONEBIT_KERNELS`` environment variable, else ``'auto'``.
+        hierarchy: ``None`` (default): the flat compressed all-reduce. ``'host'`` (ranks grouped
+            into nodes by host name) or an int ``L`` (consecutive groups of ``L`` ranks, for
+            launchers and emulations where host names do not tell nodes apart): the two-level one
+            of :mod:`onebit.hierarchy`, whose traffic between nodes is about ``2 (P-1)/P * M/8``
+            bytes per node (``P`` nodes) instead of ``L (P-1)/P * M/8 + M/8``. One node, one rank
+            per node, or nodes of different sizes fall back to flat, with one log line. Needs a
+            torch.distributed transport. Parameters stay bit-identical on every rank.
+        hierarchy_variant: ``'compressed'`` (default: 1-bit inside nodes too, three error
+            feedbacks) or ``'node_mean'`` (an exact float32 mean inside each node, 1-bit between
+            nodes only); see :mod:`onebit.hierarchy` and the README for when each wins.
     """
 
     # What a subclass declares: per-element state buffers (param-shaped in the state dict), the

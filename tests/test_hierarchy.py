@@ -199,3 +199,28 @@ def test_topologies_without_two_levels_fall_back_to_flat_with_one_log_line(tmp_p
         assert [r[hierarchy][0] for r in ranks] == [None] * 4
         assert ranks[0][hierarchy][1] == [f"onebit: hierarchy={hierarchy!r} falls back to the flat all-reduce: {why}"]
         assert all(r[hierarchy][1] == [] for r in ranks[1:])  # rank 0 only
+
+
+def test_hierarchy_needs_a_torch_distributed_transport():
+    from onebit.backends.base import CommBackend
+
+    class TwoRanks(CommBackend):
+        name = "custom"
+        rank, world_size = 0, 2
+
+        def all_reduce_mean_(self, tensor):
+            return tensor
+
+        def all_to_all(self, output, input):
+            return output
+
+        def all_gather(self, output, input):
+            return output
+
+        def barrier(self):
+            pass
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"hierarchy=2 needs a torch.distributed transport .* got 'custom'"):
+        OnebitAdam([p], backend=TwoRanks(), hierarchy=2)
+    assert OnebitAdam([p], backend=TwoRanks()).topology is None
