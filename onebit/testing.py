@@ -38,6 +38,18 @@ def _sign(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v < 0, torch.tensor(-1.0), torch.tensor(1.0))
 
 
+def _padded_inputs(inputs: list[torch.Tensor], layout: SegmentLayout) -> list[torch.Tensor]:
+    """Each rank's input in the padded layout: every tensor at its start, zeros in the padding."""
+    xs = []
+    for values in inputs:
+        x, flat, offset = torch.zeros(layout.padded), values.detach().float().cpu().reshape(-1), 0
+        for start, numel in zip(layout.starts, layout.numels):
+            x[start:start + numel] = flat[offset:offset + numel]
+            offset += numel
+        xs.append(x)
+    return xs
+
+
 def simulate_compressed_allreduce(
     inputs: list[torch.Tensor],
     worker_errors: list[torch.Tensor] | None = None,
@@ -68,14 +80,7 @@ def simulate_compressed_allreduce(
     if server_errors is None:
         server_errors = [torch.zeros(padded // n) for _ in range(n)]
 
-    # Each rank's input in the padded layout: every tensor at its start, zeros in the padding.
-    xs = []
-    for i in range(n):
-        x, flat, offset = torch.zeros(padded), inputs[i].detach().float().cpu().reshape(-1), 0
-        for start, numel in zip(layout.starts, numels):
-            x[start:start + numel] = flat[offset:offset + numel]
-            offset += numel
-        xs.append(x)
+    xs = _padded_inputs(inputs, layout)
 
     new_worker_errors = [torch.zeros(padded) for _ in range(n)]
     worker_signs = [torch.zeros(padded) for _ in range(n)]
@@ -157,13 +162,7 @@ def simulate_hierarchical_allreduce(
         worker_errors = [torch.zeros(padded if compressed else shard) for _ in range(n)]
     if server_errors is None:
         server_errors = [torch.zeros(node_size + padded // n) for _ in range(n)]
-    xs = []
-    for i in range(n):
-        x, flat, offset = torch.zeros(padded), inputs[i].detach().float().cpu().reshape(-1), 0
-        for start, numel in zip(layout.starts, numels):
-            x[start:start + numel] = flat[offset:offset + numel]
-            offset += numel
-        xs.append(x)
+    xs = _padded_inputs(inputs, layout)
     new_worker = [e.detach().cpu().clone() for e in worker_errors]
     new_server = [e.detach().cpu().clone() for e in server_errors]
     full = torch.zeros(padded)

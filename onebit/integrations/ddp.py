@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..engine import OnebitOptimizer
 
-__all__ = ["attach_ddp", "onebit_ddp_hook", "unwrap_optimizer"]
+__all__ = ["attach_ddp", "follow_plan", "onebit_ddp_hook", "unwrap_optimizer"]
 
 
 def unwrap_optimizer(optimizer: Any) -> OnebitOptimizer | None:
@@ -82,11 +82,18 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
             f"{optimizer.backend.world_size}; give both the same data-parallel group"
         )
     ddp_model.register_comm_hook(state, onebit_ddp_hook)
+    follow_plan(optimizer, lambda average: setattr(ddp_model, "require_backward_grad_sync", average))
+
+
+def follow_plan(optimizer: OnebitOptimizer, apply: Any) -> None:
+    """Tell ``optimizer`` that the framework averages the gradients on the steps whose plan
+    averages them, and call ``apply(average)`` with whether the next step's plan does: now, after
+    every ``step()`` and after every ``load_state_dict`` (the framework's switch follows the plan)."""
     optimizer.set_gradients_averaged(True)
 
-    def sync_when_planned(*_: Any) -> None:
-        ddp_model.require_backward_grad_sync = optimizer.next_plan.average_gradients
+    def when_planned(*_: Any) -> None:
+        apply(optimizer.next_plan.average_gradients)
 
-    sync_when_planned()
-    optimizer.register_step_post_hook(sync_when_planned)
-    optimizer.register_load_state_dict_post_hook(sync_when_planned)
+    when_planned()
+    optimizer.register_step_post_hook(when_planned)
+    optimizer.register_load_state_dict_post_hook(when_planned)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..engine import OnebitOptimizer
+from .ddp import follow_plan
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +113,7 @@ def attach_deepspeed(engine: Any) -> None:
             gradient all-reduce, or a data-parallel group of another size than the optimizer's.
     """
     optimizer = _check_engine(engine)
-    optimizer.set_gradients_averaged(True)
-
-    def allreduce_when_planned(*_: Any) -> None:
-        engine.enable_backward_allreduce = optimizer.next_plan.average_gradients
-
-    allreduce_when_planned()
-    optimizer.register_step_post_hook(allreduce_when_planned)
-    optimizer.register_load_state_dict_post_hook(allreduce_when_planned)
+    follow_plan(optimizer, lambda average: setattr(engine, "enable_backward_allreduce", average))
     if optimizer.backend.rank != 0:
         return
     clip = float(engine.gradient_clipping())
