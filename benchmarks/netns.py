@@ -3,12 +3,19 @@
     with SlowLink(world_size=2, rate_gbit=1.0) as link:
         link.popen(rank, [sys.executable, "peers.py", ...], env)   # one rank per namespace
 
-Two ranks: namespaces ``ob<pid>r0`` and ``ob<pid>r1`` joined by one veth pair. More ranks: one
-namespace per rank plus a hub namespace ``ob<pid>hub`` holding a bridge, each rank joined to it by
-its own veth pair. Every veth end (both directions, the bridge side too) gets a token-bucket cap
-``tbf rate <rate> burst 256kb latency 50ms``, so each rank has a full-duplex link of that rate, as
-behind a switch. Addresses are ``10.<a>.<b>.<rank+1>/24`` inside those namespaces only; nothing is
-routed out of them, and nothing outside them is touched.
+    with SlowLink(world_size=4, rate_gbit=0.1, ranks_per_node=2) as link:   # 2 nodes x 2 ranks
+        link.popen(rank, argv, env)   # ranks 0, 1 in node 0's namespace, ranks 2, 3 in node 1's
+
+Each *node* gets a namespace: by default a node is one rank; with ``ranks_per_node=L`` consecutive
+groups of ``L`` ranks share one (and its veth), so traffic between two ranks of a node goes through
+that namespace's loopback (a connection to the namespace's own address is routed over ``lo``) and
+only traffic between nodes crosses a capped veth. Two nodes: namespaces ``ob<pid>r0`` and
+``ob<pid>r1`` joined by one veth pair. More nodes: one namespace per node plus a hub namespace
+``ob<pid>hub`` holding a bridge, each node joined to it by its own veth pair. Every veth end (both
+directions, the bridge side too) gets a token-bucket cap ``tbf rate <rate> burst 256kb latency 50ms``,
+so each node has a full-duplex link of that rate, as behind a switch. Addresses are
+``10.<a>.<b>.<node+1>/24`` inside those namespaces only; nothing is routed out of them, and nothing
+outside them is touched.
 
 Teardown deletes the namespaces the object created (their veths go with them) on ``__exit__``, at
 interpreter exit (``atexit``) and on SIGTERM/SIGHUP, so that a failed or interrupted run leaves nothing
@@ -34,7 +41,7 @@ LATENCY = "50ms"
 def unavailable_reason() -> str | None:
     """None when namespaces can be made here, else a sentence saying what is missing."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "network namespaces need root (run as root, or use --quick for loopback only)"
+        return "network namespaces need root (run as root; slowlink.py --quick runs on loopback without them)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"'{tool}' not found: install iproute2 (apt-get install -y iproute2)"
@@ -66,29 +73,43 @@ class LinkCounters:
 
 
 class SlowLink:
-    """Namespaces, veths and rate caps for ``world_size`` ranks; see the module docstring."""
+    """Namespaces, veths and rate caps for ``world_size`` ranks in nodes of ``ranks_per_node``; see
+    the module docstring."""
 
-    def __init__(self, world_size: int, rate_gbit: float, *, mtu: int = 1500, tag: str | None = None) -> None:
+    def __init__(self, world_size: int, rate_gbit: float, *, mtu: int = 1500, tag: str | None = None,
+                 ranks_per_node: int = 1) -> None:
         if world_size < 2:
             raise ValueError(f"a link needs at least 2 ranks, got world_size={world_size}")
         if not rate_gbit > 0:
             raise ValueError(f"rate_gbit must be > 0, got {rate_gbit!r}")
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+                or world_size % ranks_per_node or world_size // ranks_per_node < 2:
+            raise ValueError(f"ranks_per_node must be a positive int dividing world_size={world_size} into at least "
+                             f"2 nodes, got ranks_per_node={ranks_per_node!r}")
         self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.nodes = world_size // ranks_per_node
         self.rate_gbit = rate_gbit
         self.mtu = mtu
         tag = tag or str(os.getpid())
         self.prefix = f"ob{tag}"
         pid = os.getpid()
         self.subnet = f"10.{100 + pid % 100}.{(pid // 100) % 250}"
-        self.namespaces = [f"{self.prefix}r{r}" for r in range(world_size)]
-        self.hub = f"{self.prefix}hub" if world_size > 2 else None
-        self.ifnames = [f"{self.prefix}v{r}" for r in range(world_size)]
+        # one namespace and one veth per node (a node is a rank unless ranks_per_node > 1)
+        self.namespaces = [f"{self.prefix}r{r}" for r in range(self.nodes)]
+        self.hub = f"{self.prefix}hub" if self.nodes > 2 else None
+        self.ifnames = [f"{self.prefix}v{r}" for r in range(self.nodes)]
         self.created: list[str] = []
         self.procs: list[subprocess.Popen] = []
         self._old_handlers: dict[int, object] = {}
 
-    def address(self, rank: int) -> str:
-        return f"{self.subnet}.{rank + 1}"
+    def address(self, node: int) -> str:
+        """The veth address of ``node`` (of rank ``node`` when ``ranks_per_node`` is 1)."""
+        return f"{self.subnet}.{node + 1}"
+
+    def node_of(self, rank: int) -> int:
+        """The node (the index into ``namespaces`` and ``ifnames``) that ``rank`` runs in."""
+        return rank // self.ranks_per_node
 
     @property
     def master_addr(self) -> str:
@@ -140,10 +161,12 @@ class SlowLink:
         return self
 
     def popen(self, rank: int, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
-        """Start ``argv`` inside rank's namespace with GLOO_SOCKET_IFNAME and MASTER_ADDR set."""
-        env = {**env, "GLOO_SOCKET_IFNAME": self.ifnames[rank], "MASTER_ADDR": self.master_addr,
-               "ONEBIT_BENCH_IFNAME": self.ifnames[rank]}
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank], *argv], env=env, **kwargs)
+        """Start ``argv`` inside the namespace of rank's node with GLOO_SOCKET_IFNAME (the node's
+        veth) and MASTER_ADDR (node 0's address) set."""
+        node = self.node_of(rank)
+        env = {**env, "GLOO_SOCKET_IFNAME": self.ifnames[node], "MASTER_ADDR": self.master_addr,
+               "ONEBIT_BENCH_IFNAME": self.ifnames[node]}
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], env=env, **kwargs)
         self.procs.append(proc)
         return proc
 

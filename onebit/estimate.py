@@ -29,9 +29,26 @@ linearly; a few seconds), so run the estimate on the machine that will train, wi
 The model leaves out what DDP's overlap of the all-reduce with backward hides (at most the
 backward time) and the slowdown of memory-bound work when other processes share the memory bus.
 
+Two levels (:func:`estimate_two_level`): ``P`` nodes of ``L`` ranks, the node's network link of
+``B_node`` Gbit/s each direction (all its NICs together) and each rank's link inside the node of
+``B_intra`` Gbit/s. Per scheme it counts the bytes each node sends to the others
+(:func:`two_level_wire_bytes`, in units of ``M/8``, sign bytes only; the formulas add the 4-byte
+scales)::
+
+    fp32 ring all-reduce      64 (n-1)/n                  (a ring of node-contiguous ranks)
+    flat 1-bit                L (P-1)/P + (n-1)/n         (personalized all-to-all, ring all-gather)
+    compressed, node_mean     2 (P-1)/P                   (:mod:`onebit.hierarchy`)
+
+and the bytes each rank sends inside its node: flat ``(L-1)/n + (n-1)/n`` (at most), compressed
+``2 (L-1)/L``, node_mean ``32 (L-1)/L + (L-1)/L`` (float32 shards). The two-level stages run one
+after another (intra, inter, inter, intra), so their wire time is
+``inter / B_node + intra / B_intra``; the flat scheme's and the ring's transfers share their
+stages, so each stage takes the slower of its inter- and intra-node parts.
+
 Command line::
 
     python -m onebit.estimate --params 50e6 --world-size 8 --bandwidth-gbps 10
+    python -m onebit.estimate --params 8.4e6 --world-size 4 --bandwidth-gbps 0.1 --ranks-per-node 2 --intra-gbps 2
 """
 
 from __future__ import annotations
@@ -58,6 +75,11 @@ __all__ = [
     "measure_local_costs",
     "fp32_allreduce_bytes",
     "onebit_allreduce_bytes",
+    "SCHEMES",
+    "SchemeEstimate",
+    "TwoLevelEstimate",
+    "estimate_two_level",
+    "two_level_wire_bytes",
     "TCP_ETHERNET_EFFICIENCY",
 ]
 
@@ -69,6 +91,15 @@ DEFAULT_LATENCY_S = 50e-6
 # 10 Gbit/s runs of benchmarks/slowlink.py show on the project's 2-core machines (~0.5 GB/s).
 DEFAULT_REDUCE_GBPS = 0.5
 DEFAULT_SAMPLE = 1 << 24  # one default OnebitAdam bucket: the same temporaries, the same allocator path
+#: The schemes of :func:`estimate_two_level`: DDP's fp32 all-reduce, the flat 1-bit all-reduce, and
+#: the two ``hierarchy_variant`` values.
+SCHEMES = ("fp32", "flat", "compressed", "node_mean")
+# Passes of the codec over the buffer, relative to the flat scheme's worker compress + server
+# compress + decode (3 passes): each stage costs about one pass over the larger of its input and
+# output. compressed: + the node server (L rows of M/L); node_mean: worker and server on the shard
+# (2/L), decode (1), the node mean (1).
+_CODEC_PASSES = {"flat": lambda L: 3.0, "compressed": lambda L: 3.0 + 1.0 / L,
+                 "node_mean": lambda L: 2.0 + 2.0 / L}
 
 
 @dataclass(frozen=True)
@@ -146,6 +177,42 @@ def onebit_allreduce_bytes(num_params: int, world_size: int) -> int:
     """Bytes one rank sends in one compressed all-reduce of ``num_params`` elements (one bucket):
     ``2(n-1)/n * M/8`` sign bytes plus ``8(n-1)`` scale bytes, ``M`` the padded length."""
     return compressed_wire_bytes(padded_length(num_params, world_size), world_size)
+
+
+def two_level_wire_bytes(num_params: int, nodes: int, ranks_per_node: int, *,
+                         segments: int = 1) -> dict[str, tuple[int, int]]:
+    """Bytes per compression step (one bucket of ``num_params`` elements in ``segments`` tensors)
+    on ``nodes`` (P) nodes of ``ranks_per_node`` (L) ranks, for each of :data:`SCHEMES`:
+    ``(inter, intra)``, ``inter`` what one node sends to the other nodes (each direction of its
+    link), ``intra`` what one rank sends to the ranks of its own node (at most).
+
+    With ``n = P L``, ``M`` the padded length, a row ``r_n = M/(8n) + 4 segments`` and
+    ``r_L = M/(8L) + 4 segments``:
+
+    * fp32 ring all-reduce: ``2(n-1)/n * 4N`` on each ring edge, one of which leaves each node;
+    * flat: all-to-all ``L * L(P-1)`` rows ``r_n`` out of the node, ``L-1`` inside per rank; ring
+      all-gather ``n-1`` rows ``r_n`` on each edge;
+    * compressed: inter ``2 L (P-1) r_n`` (cross all-to-all and all-gather); intra
+      ``(L-1) (r_L + P r_n)`` (1-bit all-to-all, all-gather of the node's ``P`` rows);
+    * node_mean: inter as compressed; intra ``(L-1) (4M/L + P r_n)`` (float32 shards).
+    """
+    p = _int_at_least("nodes", nodes, 1)
+    local = _int_at_least("ranks_per_node", ranks_per_node, 1)
+    num_params = _int_at_least("num_params", num_params, 1)
+    k = _int_at_least("segments", segments, 1)
+    n = p * local
+    padded = padded_length(num_params, n)
+    row_n, row_l = row_bytes(padded, n, k), row_bytes(padded, local, k)
+    ring = allreduce_wire_bytes(4 * num_params, n)
+    cross = 2 * local * (p - 1) * row_n
+    intra_gather = (local - 1) * p * row_n
+    return {
+        "fp32": (ring if p > 1 else 0, ring if local > 1 else 0),
+        "flat": (local * local * (p - 1) * row_n + ((n - 1) * row_n if p > 1 else 0),
+                 (local - 1) * row_n + ((n - 1) * row_n if local > 1 else 0)),
+        "compressed": (cross, (local - 1) * row_l + intra_gather),
+        "node_mean": (cross, (local - 1) * 4 * padded // local + intra_gather),
+    }
 
 
 # ------------------------------------------------------------------------------------ measurements
@@ -329,6 +396,157 @@ def estimate_speedup(
     )
 
 
+@dataclass(frozen=True)
+class SchemeEstimate:
+    """One scheme of :func:`estimate_two_level` (seconds per step; bytes per step)."""
+
+    scheme: str
+    inter_node_bytes: int
+    intra_node_bytes: int
+    inter_wire_s: float
+    intra_wire_s: float
+    wire_s: float
+    local_s: float
+    latency_s: float
+    step_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TwoLevelEstimate:
+    """Per-scheme estimates (``schemes``, keyed by :data:`SCHEMES`) for one configuration."""
+
+    num_params: int
+    nodes: int
+    ranks_per_node: int
+    inter_node_gbps: float
+    intra_node_gbps: float
+    compute_s: float
+    schemes: dict
+
+    def __getitem__(self, scheme: str) -> SchemeEstimate:
+        return self.schemes[scheme]
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["schemes"] = {k: v.as_dict() for k, v in self.schemes.items()}
+        return out
+
+
+def estimate_two_level(
+    num_params: int,
+    nodes: int,
+    ranks_per_node: int,
+    inter_node_gbps: float,
+    intra_node_gbps: float,
+    *,
+    compute_s: float = 0.0,
+    codec_gbps: float | None = None,
+    adam_step_s: float | None = None,
+    onebit_step_s: float | None = None,
+    local_s: dict[str, float] | None = None,
+    segments: int = 1,
+    latency_s: float = DEFAULT_LATENCY_S,
+    reduce_gbps: float = DEFAULT_REDUCE_GBPS,
+    wire_efficiency: float = TCP_ETHERNET_EFFICIENCY,
+) -> TwoLevelEstimate:
+    """Wire time and step time of a compression-phase step for each of :data:`SCHEMES` on
+    ``nodes`` (P) nodes of ``ranks_per_node`` (L) ranks (model: the module docstring).
+
+    Args:
+        num_params: float32 elements averaged per step (one bucket; no pipelining across buckets).
+        nodes, ranks_per_node: ``P`` and ``L``.
+        inter_node_gbps: a node's link to the other nodes, Gbit/s each direction (all its NICs).
+        intra_node_gbps: one rank's payload rate to the ranks of its node, Gbit/s each direction
+            (NVLink, PCIe, or in an emulation the loopback).
+        compute_s: forward + backward seconds per step.
+        codec_gbps, adam_step_s, onebit_step_s: as in :func:`estimate_speedup` (measured here
+            when None and needed); the codec of each 1-bit scheme is the flat codec times its
+            passes over the buffer (compressed ``1 + 1/(3L)``, node_mean ``(2 + 2/L)/3``).
+        local_s: seconds per step of each scheme apart from compute and communication (for fp32
+            the Adam step; for 1-bit schemes maths and codec), overriding the modelled ones,
+            e.g. measured in a run; schemes it leaves out are modelled.
+        segments: tensors in the bucket (one float32 scale per tensor in each wire row).
+        latency_s: per message; fp32 and flat pay ``2(n-1)``, the two-level schemes
+            ``2(P-1) + 2(L-1)``.
+        reduce_gbps: CPU throughput of the fp32 all-reduce's own work (see :func:`estimate_speedup`).
+        wire_efficiency: TCP payload over link rate between nodes (inside a node: 1).
+
+    Raises ``ValueError`` naming an argument out of range.
+    """
+    num_params = _int_at_least("num_params", num_params, 1)
+    p = _int_at_least("nodes", nodes, 1)
+    local = _int_at_least("ranks_per_node", ranks_per_node, 1)
+    n = p * local
+    if n < 2:
+        raise ValueError(f"invalid nodes * ranks_per_node: {n}; expected at least 2 ranks")
+    inter = _real("inter_node_gbps", inter_node_gbps, positive=True)
+    intra = _real("intra_node_gbps", intra_node_gbps, positive=True, allow_inf=True)
+    compute_s = _real("compute_s", compute_s, positive=False)
+    latency_s = _real("latency_s", latency_s, positive=False)
+    reduce_gbps = _real("reduce_gbps", reduce_gbps, positive=True, allow_inf=True)
+    efficiency = _real("wire_efficiency", wire_efficiency, positive=True, upper=1.0)
+    local_s = dict(local_s or {})
+    for key, value in local_s.items():
+        if key not in SCHEMES:
+            raise ValueError(f"invalid local_s key: {key!r}; expected one of {', '.join(map(repr, SCHEMES))}")
+        _real(f"local_s[{key!r}]", value, positive=False)
+    given = {"codec_gbps": codec_gbps, "adam_step_s": adam_step_s, "onebit_step_s": onebit_step_s}
+    for name, value in given.items():
+        if value is not None:
+            _real(name, value, positive=name == "codec_gbps")
+    needed = set(SCHEMES) - set(local_s)
+    if any(v is None for v in given.values()) and needed:
+        measured = measure_local_costs(num_params, n)
+        given = {k: getattr(measured, k) if v is None else v for k, v in given.items()}
+
+    nbytes = two_level_wire_bytes(num_params, p, local, segments=segments)
+    goodput = inter * 1e9 / 8 * efficiency
+    intra_rate = intra * 1e9 / 8
+    padded = padded_length(num_params, n)
+    row_n = row_bytes(padded, n, segments)
+    schemes = {}
+    for scheme in SCHEMES:
+        inter_b, intra_b = nbytes[scheme]
+        inter_s, intra_s = inter_b / goodput, intra_b / intra_rate
+        if scheme == "fp32":  # every ring edge at once: the slowest sets the pace, or the CPU's reduce
+            wire = max(inter_s, intra_s, 4 * num_params / (reduce_gbps * 1e9))
+        elif scheme == "flat":  # all-to-all (inter and intra at once), then the ring all-gather
+            ring = (n - 1) * row_n
+            a2a_inter, a2a_intra = inter_b - (ring if p > 1 else 0), intra_b - (ring if local > 1 else 0)
+            wire = max(a2a_inter / goodput, a2a_intra / intra_rate) + max(
+                ring / goodput if p > 1 else 0.0, ring / intra_rate if local > 1 else 0.0)
+        else:  # intra all-to-all, cross all-to-all and all-gather, intra all-gather: one after another
+            wire = inter_s + intra_s
+        if scheme in local_s:
+            here = float(local_s[scheme])
+        elif scheme == "fp32":
+            here = float(given["adam_step_s"])
+        else:
+            codec = 4 * padded / (float(given["codec_gbps"]) * 1e9) * _CODEC_PASSES[scheme](local) / 3.0
+            here = float(given["onebit_step_s"]) + codec
+        messages = 2 * (n - 1) if scheme in ("fp32", "flat") else 2 * (p - 1) + 2 * (local - 1)
+        schemes[scheme] = SchemeEstimate(
+            scheme=scheme, inter_node_bytes=inter_b, intra_node_bytes=intra_b, inter_wire_s=inter_s,
+            intra_wire_s=intra_s, wire_s=wire, local_s=here, latency_s=messages * latency_s,
+            step_s=compute_s + here + wire + messages * latency_s)
+    return TwoLevelEstimate(num_params=num_params, nodes=p, ranks_per_node=local, inter_node_gbps=inter,
+                            intra_node_gbps=intra, compute_s=compute_s, schemes=schemes)
+
+
+def format_two_level(est: TwoLevelEstimate) -> str:
+    """A small table for people."""
+    ms = lambda s: f"{s * 1e3:9.1f} ms"
+    lines = [f"{est.num_params / 1e6:.1f}M float32 parameters, {est.nodes} nodes x {est.ranks_per_node} ranks, "
+             f"{est.inter_node_gbps:g} Gbit/s per node between nodes, {est.intra_node_gbps:g} Gbit/s per rank inside",
+             f"  {'scheme':<11} {'inter-node B/node':>18} {'intra-node B/rank':>18} {'wire':>12} {'step':>12}"]
+    for s in est.schemes.values():
+        lines.append(f"  {s.scheme:<11} {s.inter_node_bytes:>18,} {s.intra_node_bytes:>18,} {ms(s.wire_s)} {ms(s.step_s)}")
+    return "\n".join(lines) + "\n"
+
+
 def format_estimate(est: SpeedupEstimate) -> str:
     """A few lines of text for people."""
     ms = lambda s: f"{s * 1e3:8.1f} ms"
@@ -361,11 +579,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reduce-gbps", type=float, default=DEFAULT_REDUCE_GBPS)
     parser.add_argument("--buckets", type=int, default=None, help="compression buckets (default: ceil(params / 2**24))")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the measurements")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="two levels: ranks per node (the world size must be a multiple); "
+                             "--bandwidth-gbps is then each node's link; prints every scheme")
+    parser.add_argument("--intra-gbps", type=float, default=None,
+                        help="two levels: each rank's bandwidth inside its node, Gbit/s (required with --ranks-per-node)")
     parser.add_argument("--json", action="store_true", help="write the estimate as JSON")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     params = int(args.params) if float(args.params).is_integer() else args.params
+    if args.ranks_per_node is not None:
+        if args.intra_gbps is None:
+            parser.error("--ranks-per-node needs --intra-gbps")
+        if args.ranks_per_node < 1 or args.world_size % args.ranks_per_node:
+            parser.error(f"invalid --ranks-per-node: {args.ranks_per_node}; expected a positive divisor of "
+                         f"--world-size {args.world_size}")
+        try:
+            two = estimate_two_level(params, args.world_size // args.ranks_per_node, args.ranks_per_node,
+                                     args.bandwidth_gbps, args.intra_gbps, compute_s=args.compute_s,
+                                     codec_gbps=args.codec_gbps, adam_step_s=args.adam_step_s,
+                                     onebit_step_s=args.onebit_step_s, latency_s=args.latency_s,
+                                     reduce_gbps=args.reduce_gbps)
+        except ValueError as exc:
+            parser.error(str(exc))
+        sys.stdout.write(json.dumps(two.as_dict(), indent=2) + "\n" if args.json else format_two_level(two))
+        return 0
     try:
         est = estimate_speedup(params, args.world_size, args.bandwidth_gbps, codec_gbps=args.codec_gbps,
                                compute_s=args.compute_s, adam_step_s=args.adam_step_s,

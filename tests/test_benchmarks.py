@@ -225,3 +225,76 @@ def test_slowlink_namespaces_are_removed_afterwards():
     except KeyboardInterrupt:
         pass
     assert not set(link.namespaces) & names()
+
+
+def test_slowlink_nodes_of_several_ranks_share_a_namespace():
+    netns = _bench_module("netns")
+    link = netns.SlowLink(4, 0.1, ranks_per_node=2, tag="unused")
+    assert link.nodes == 2 and len(link.namespaces) == 2 and link.hub is None
+    assert [link.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert link.master_addr == link.address(0)
+    assert netns.SlowLink(4, 0.1, tag="unused").namespaces == [f"obunusedr{r}" for r in range(4)]  # default: a rank each
+    for bad in (3, 0, 4, True, 1.0):
+        with pytest.raises(ValueError, match="ranks_per_node must be a positive int dividing world_size=4"):
+            netns.SlowLink(4, 1.0, ranks_per_node=bad)
+
+
+@pytest.fixture(scope="module")
+def hierarchy_quick(tmp_path_factory) -> dict:
+    """``benchmarks/hierarchy.py --quick``: 2 nodes x 2 ranks in two namespaces, 1 Gbit/s between them."""
+    netns = _bench_module("netns")
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+    def names() -> set[str]:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+    before = names()
+    out = tmp_path_factory.mktemp("hierarchy")
+    try:
+        proc = subprocess.run([sys.executable, str(BENCH / "hierarchy.py"), "--quick", "--out-dir", str(out)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hierarchy.py --quick did not finish in {exc.timeout} s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert names() == before, "namespaces left behind"
+    markdown = (out / "hierarchy_quick.md").read_text()
+    assert markdown.startswith("# Two-level 1-bit all-reduce: 2 nodes x 2 ranks")
+    return {**json.loads((out / "hierarchy_quick.json").read_text()), "markdown": markdown}
+
+
+@pytest.mark.timeout(150)
+def test_hierarchy_quick_times_every_scheme_and_counts_bytes_per_node(hierarchy_quick):
+    (run,) = hierarchy_quick["runs"]
+    assert run["rate_gbit"] == 1.0 and run["nodes"] == 2 and run["ranks_per_node"] == 2
+    assert run["intra_gbps_measured"] > 0
+    schemes = run["schemes"]
+    assert set(schemes) == {"adam", "flat", "compressed", "node_mean"}
+    for name, row in schemes.items():
+        assert len(row["steps_s"]) == run["rounds"] and 0 < row["step_s"] < 60, name
+        assert [v["node"] for v in row["veth_per_node"]] == [0, 1], name
+        for v in row["veth_per_node"]:
+            # the model's bytes, plus headers, barriers and the finiteness flag (a few KB)
+            assert row["estimate_inter_node_bytes"] <= v["tx_payload_bytes"] <= 1.2 * row["estimate_inter_node_bytes"] + 4096
+        assert row["estimate_step_s"] > 0, name
+    for name in ("compressed", "node_mean"):
+        for node in schemes[name]["stats_per_node"]:  # comm_stats' inter-node count is exactly the model's
+            assert node["inter_node_bytes_sent"] == schemes[name]["estimate_inter_node_bytes"]
+            assert node["intra_node_bytes_sent"] == 2 * schemes[name]["estimate_intra_node_bytes"]
+    assert "inter_node_bytes_sent" not in schemes["flat"]["stats_per_node"][0]
+    assert {t["target"] for t in hierarchy_quick["targets"]} >= {"inter-node bytes <= 0.6x flat's"}
+
+
+@pytest.mark.timeout(150)
+def test_hierarchy_quick_two_level_sends_fewer_bytes_between_nodes(hierarchy_quick):
+    schemes = hierarchy_quick["runs"][0]["schemes"]
+    for name in ("compressed", "node_mean"):
+        for hier, flat, ddp in zip(schemes[name]["veth_per_node"], schemes["flat"]["veth_per_node"],
+                                   schemes["adam"]["veth_per_node"]):
+            assert hier["tx_bytes"] < 0.7 * flat["tx_bytes"] and hier["rx_bytes"] < 0.7 * flat["rx_bytes"], name
+            assert hier["tx_bytes"] < flat["tx_bytes"] < ddp["tx_bytes"] / 10, name
+        assert schemes[name]["veth_bytes_vs_flat"] < 0.7
+    # node_mean moves float32 shards inside the node: its loopback carries far more than compressed's
+    assert schemes["node_mean"]["veth_per_node"][0]["lo_tx_bytes"] > 5 * schemes["compressed"]["veth_per_node"][0]["lo_tx_bytes"]

@@ -11,13 +11,17 @@ import pytest
 
 import onebit
 from onebit.estimate import (
+    SCHEMES,
+    TCP_ETHERNET_EFFICIENCY,
     LocalCosts,
     estimate_speedup,
+    estimate_two_level,
     fp32_allreduce_bytes,
     main,
     measure_codec_gbps,
     measure_local_costs,
     onebit_allreduce_bytes,
+    two_level_wire_bytes,
 )
 
 # Fixed local costs, so that these tests measure nothing and are exact.
@@ -191,3 +195,142 @@ def test_module_runs_as_a_script_without_warnings():
     assert proc.returncode == 0, proc.stderr
     assert "expected speedup" in proc.stdout
     assert "RuntimeWarning" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------ two levels
+
+# Hand-computed (docs: HIERARCHY.md section 2.5), one bucket of one tensor: (inter-node bytes a node
+# sends each direction, intra-node bytes a rank sends). P=2, L=2, N=M=8,388,608: n=4, a row of the n
+# chunks r_n = M/32 + 4 = 262,148, of the L shards r_L = M/16 + 4 = 524,292.
+#   fp32: 2 (n-1)/n 4N = 6N on each ring edge; flat: 4 + 3 rows out, 1 + 3 rows in;
+#   compressed: 2 L (P-1) = 4 rows out, r_L + P r_n in; node_mean: 4 rows out, 4M/2 + 2 r_n in.
+# P=16, L=8, N=M=2**27: n=128, r_n = M/1024 + 4 = 131,076, r_L = M/64 + 4 = 2,097,156.
+#   fp32: 8N 127/128; flat: 64*15 + 127 = 1,087 rows out, 7 + 127 in; compressed: 2*8*15 = 240 rows
+#   out, 7 r_L + 7*16 r_n in; node_mean: 240 rows out, 7 * 4M/8 + 7*16 r_n in.
+HAND = {
+    (2, 2, 8_388_608): {"fp32": (50_331_648, 50_331_648), "flat": (1_835_036, 1_048_592),
+                        "compressed": (1_048_592, 1_048_588), "node_mean": (1_048_592, 17_301_512)},
+    (16, 8, 2**27): {"fp32": (1_065_353_216, 1_065_353_216), "flat": (142_479_612, 17_564_184),
+                     "compressed": (31_458_240, 29_360_604), "node_mean": (31_458_240, 484_442_560)},
+}
+# HIERARCHY.md section 2.5's table, in units of M/8 per node (sign bytes only).
+TABLE = {(2, 2): {"fp32": 48, "flat": 1 + 0.75, "compressed": 1.0, "node_mean": 1.0},
+         (16, 8): {"fp32": 63.5, "flat": 7.5 + 0.99, "compressed": 1.875, "node_mean": 1.875}}
+
+
+@pytest.mark.parametrize("nodes, local, numel", list(HAND))
+def test_two_level_bytes_match_hand_computed_numbers(nodes, local, numel):
+    assert two_level_wire_bytes(numel, nodes, local) == HAND[(nodes, local, numel)]
+
+
+@pytest.mark.parametrize("nodes, local", list(TABLE))
+def test_two_level_bytes_match_the_design_table(nodes, local):
+    numel = 2**27
+    got = two_level_wire_bytes(numel, nodes, local)
+    for scheme, units in TABLE[(nodes, local)].items():
+        assert got[scheme][0] / (numel / 8) == pytest.approx(units, rel=2e-3), scheme
+    inter = {k: v[0] for k, v in got.items()}
+    # flat / two-level: 1.75 at P=2, L=2; about 4.5 at P=16, L=8
+    assert inter["flat"] / inter["compressed"] == pytest.approx(1.75 if nodes == 2 else 4.53, rel=1e-2)
+    # intra-node bytes per rank: compressed 2 (L-1)/L, node_mean 32 (L-1)/L + (L-1)/L
+    frac = (local - 1) / local
+    assert got["compressed"][1] / (numel / 8) == pytest.approx(2 * frac, rel=1e-3)
+    assert got["node_mean"][1] / (numel / 8) == pytest.approx(33 * frac, rel=1e-3)
+
+
+def test_two_level_bytes_count_one_scale_per_tensor_in_each_row():
+    one, many = two_level_wire_bytes(8_388_608, 2, 2), two_level_wire_bytes(8_388_608, 2, 2, segments=16)
+    assert many["compressed"][0] - one["compressed"][0] == 4 * 15 * 4  # 4 rows out of the node, 15 more scales each
+    assert many["fp32"] == one["fp32"]
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_two_level_bytes_equal_flat_with_one_rank_per_node(nodes):
+    got = two_level_wire_bytes(1_000_000, nodes, 1)
+    assert got["compressed"] == got["node_mean"] == got["flat"]
+    assert got["flat"][1] == 0 and got["fp32"][1] == 0
+
+
+TWO = dict(compute_s=0.05, local_s={"fp32": 0.02, "flat": 0.03, "compressed": 0.035, "node_mean": 0.04})
+
+
+def test_two_level_estimate_adds_the_intra_and_inter_stages():
+    numel, gbit, intra = 8_388_608, 0.1, 2.0
+    est = estimate_two_level(numel, 2, 2, gbit, intra, latency_s=1e-4, **TWO)
+    assert set(est.schemes) == set(SCHEMES)
+    goodput, intra_rate = gbit * 1e9 / 8 * TCP_ETHERNET_EFFICIENCY, intra * 1e9 / 8
+    nbytes = two_level_wire_bytes(numel, 2, 2)
+    for scheme in ("compressed", "node_mean"):
+        e = est[scheme]
+        assert (e.inter_node_bytes, e.intra_node_bytes) == nbytes[scheme]
+        assert e.wire_s == pytest.approx(nbytes[scheme][0] / goodput + nbytes[scheme][1] / intra_rate)
+        assert e.latency_s == pytest.approx(4 * 1e-4)  # 2 (P-1) + 2 (L-1) messages
+        assert e.step_s == pytest.approx(0.05 + TWO["local_s"][scheme] + e.wire_s + e.latency_s)
+    # flat at 100 Mbit/s is inter-bound: its wire is its inter-node bytes at the link's goodput
+    assert est["flat"].wire_s == pytest.approx(nbytes["flat"][0] / goodput)
+    assert est["flat"].latency_s == pytest.approx(6 * 1e-4)
+    fp32 = est["fp32"]
+    assert fp32.step_s == pytest.approx(0.05 + 0.02 + nbytes["fp32"][0] / goodput + 6e-4)
+    assert est.as_dict()["schemes"]["flat"]["inter_node_bytes"] == nbytes["flat"][0]
+
+
+def test_node_mean_beats_flat_only_when_the_node_is_much_faster_inside():
+    """HIERARCHY.md section 2.6: variant A beats flat iff B_intra / B_node > 32 (L-1)/L / (F - 2 (P-1)/P),
+    about 4.4 at P=16, L=8 (with A's compressed intra all-gather). Variant B wins down to a ratio of
+    about 0.12 (section 2.6 says 0.3, leaving out that flat's ring all-gather also crosses the slow
+    intra-node links)."""
+    def wires(ratio):
+        est = estimate_two_level(2**27, 16, 8, 10.0, 10.0 * ratio, **TWO)
+        return {k: v.wire_s for k, v in est.schemes.items()}
+
+    slow, fast = wires(3.0), wires(6.0)
+    assert slow["node_mean"] > slow["flat"] and fast["node_mean"] < fast["flat"]
+    assert wires(0.5)["compressed"] < wires(0.5)["flat"] < wires(0.5)["node_mean"]
+    assert wires(0.05)["compressed"] > wires(0.05)["flat"]
+
+
+def test_two_level_estimate_models_local_costs_when_not_given():
+    est = estimate_two_level(8_388_608, 2, 2, 1.0, 2.0, codec_gbps=2.0, adam_step_s=0.1, onebit_step_s=0.05)
+    codec = 4 * 8_388_608 / 2e9
+    assert est["fp32"].local_s == pytest.approx(0.1)
+    assert est["flat"].local_s == pytest.approx(0.05 + codec)
+    assert est["compressed"].local_s == pytest.approx(0.05 + codec * 3.5 / 3)  # + the node server's pass
+    assert est["node_mean"].local_s == pytest.approx(0.05 + codec)  # 2 + 2/L passes at L = 2
+    partial = estimate_two_level(8_388_608, 2, 2, 1.0, 2.0, codec_gbps=2.0, adam_step_s=0.1, onebit_step_s=0.05,
+                                 local_s={"flat": 0.5})
+    assert partial["flat"].local_s == 0.5 and partial["compressed"].local_s == est["compressed"].local_s
+
+
+TWO_BAD = [
+    (dict(nodes=0), "nodes: 0"),
+    (dict(ranks_per_node=0), "ranks_per_node: 0"),
+    (dict(nodes=1, ranks_per_node=1), "nodes \\* ranks_per_node: 1"),
+    (dict(inter_node_gbps=0), "inter_node_gbps: 0"),
+    (dict(intra_node_gbps=-1.0), "intra_node_gbps: -1.0"),
+    (dict(segments=0), "segments: 0"),
+    (dict(local_s={"ddp": 0.1}), "local_s key: 'ddp'"),
+    (dict(local_s={"flat": -0.1}), "local_s\\['flat'\\]: -0.1"),
+]
+
+
+@pytest.mark.parametrize("bad, message", TWO_BAD, ids=[m for _, m in TWO_BAD])
+def test_two_level_bad_input_raises_value_error_naming_the_value(bad, message):
+    args = dict(num_params=1_000_000, nodes=2, ranks_per_node=2, inter_node_gbps=1.0, intra_node_gbps=2.0,
+                codec_gbps=2.0, adam_step_s=0.1, onebit_step_s=0.1)
+    args.update(bad)
+    with pytest.raises(ValueError, match="invalid " + message):
+        estimate_two_level(**args)
+
+
+def test_cli_prints_the_two_level_estimate(capsys):
+    argv = ["--params", "8388608", "--world-size", "4", "--bandwidth-gbps", "0.1", "--ranks-per-node", "2",
+            "--intra-gbps", "2", "--codec-gbps", "2", "--adam-step-s", "0.1", "--onebit-step-s", "0.1"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "2 nodes x 2 ranks" in text and "node_mean" in text and "1,048,592" in text
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["schemes"]["compressed"]["inter_node_bytes"] == 1_048_592
+    with pytest.raises(SystemExit):
+        main(argv[:8] + argv[10:])  # --ranks-per-node without --intra-gbps
+    assert "needs --intra-gbps" in capsys.readouterr().err
