@@ -202,8 +202,16 @@ def _ranks(rank, world_size, checkpoints):
     os.environ["LOCAL_RANK"] = str(rank)  # what a launcher would set; deepspeed.initialize requires it
     os.environ["DS_ACCELERATOR"] = "cpu"
     counter = _Counter()
+    import importlib
+
     import deepspeed
     from onebit.integrations.deepspeed import attach_deepspeed
+
+    # DeepSpeed's CPU transport JIT-compiles a shared-memory op when it starts (~45 s on a fresh
+    # machine); the op serves only inference_all_reduce (deepspeed/comm/torch.py, 0.19.8), never
+    # the training all-reduce counted here, so these ranks skip building it.
+    # (deepspeed.comm's attribute "torch" is the torch package, hence importlib.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
     out = {case: {"engine": _engine_run(counter, rank, *spec, checkpoints=checkpoints if case == "adam" else None),
                   "plain": _plain_run(counter, rank, *spec)}
