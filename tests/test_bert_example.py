@@ -374,15 +374,16 @@ def test_compare_optimizer_zoadam_runs_adam_and_zerooneadam(tmp_path, monkeypatc
     assert {"adam", "zoadam"} <= saved.keys() and "onebit" not in saved
     assert (tmp_path / "comparison.png").stat().st_size > 0
 
-    # The config: 0/1 Adam on gloo, no bias correction (refused), a schedule with local steps
-    # within the 600 steps of the README's run, the same lr, eps and weight decay as Adam's.
+    # The config: 0/1 Adam on gloo with Adam's lr, betas, bias correction, eps and weight decay,
+    # full-precision variance steps for most of the first phase, and local steps within the 600
+    # steps of the README's run.
     cls, zoadam, _ = optimizer_kwargs(load_config(EXAMPLE / "configs" / "zoadam_gloo.json"))
     _, adam, _ = optimizer_kwargs(load_config(EXAMPLE / "configs" / "adam.json"))
     assert cls is ZeroOneAdam and zoadam["comm_backend_name"] == "gloo"
-    assert zoadam["var_update_scaler"] == 16 and 4 <= zoadam["local_step_clipper"] <= 16
+    assert zoadam["var_update_scaler"] == 80 and 4 <= zoadam["local_step_clipper"] <= 16
     assert zoadam["scale_block_size"] == 128  # one scale per row of the word embedding (README)
     assert 0.8 * 600 // zoadam["local_step_scaler"] >= 2  # the interval doubles at least twice after 20% of 600
-    assert all(zoadam[key] == adam[key] for key in ("eps", "weight_decay"))
+    assert all(zoadam[key] == adam[key] for key in ("lr", "betas", "bias_correction", "eps", "weight_decay"))
 
 
 def test_compare_zoadam_adds_a_finished_onebit_run_from_another_comparison(tmp_path, monkeypatch, capsys):
