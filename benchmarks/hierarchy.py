@@ -190,21 +190,8 @@ def launch(link: netns.SlowLink, args: argparse.Namespace, port: int) -> list[di
                 "--ranks-per-node", str(link.ranks_per_node), "--timeout-s", str(args.timeout_s)]
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1"}
-        procs = [link.popen(rank, argv, {**env, "RANK": str(rank)}) for rank in range(world)]
-        deadline = time.monotonic() + args.timeout_s + 10
-        try:
-            for rank, proc in enumerate(procs):
-                try:
-                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"rank {rank} did not finish within {args.timeout_s:.0f} s") from None
-                if code != 0:
-                    raise RuntimeError(f"rank {rank} exited with code {code}")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        netns.wait_ranks([link.popen(rank, argv, {**env, "RANK": str(rank)}) for rank in range(world)],
+                         args.timeout_s + 10)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
 
 

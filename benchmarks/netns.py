@@ -30,9 +30,10 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
-__all__ = ["SlowLink", "unavailable_reason", "LinkCounters"]
+__all__ = ["SlowLink", "unavailable_reason", "LinkCounters", "wait_ranks"]
 
 BURST = "256kb"
 LATENCY = "50ms"
@@ -51,6 +52,25 @@ def unavailable_reason() -> str | None:
         return f"'ip netns add' failed: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait for every rank process within ``timeout_s`` in all; raise RuntimeError naming the first
+    that failed or ran out of time, after killing every one still running."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"rank {rank} did not finish within {timeout_s:.0f} s") from None
+            if code != 0:
+                raise RuntimeError(f"rank {rank} exited with code {code}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _run(*args: str) -> None:

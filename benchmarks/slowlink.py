@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -136,19 +135,12 @@ def launch(world_size: int, peer_args: list[str], *, link: netns.SlowLink | None
                     rank_env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
                     rank_env.pop("ONEBIT_BENCH_IFNAME", None)
                     procs.append(subprocess.Popen(argv, env=rank_env))
-            deadline = time.monotonic() + timeout_s
-            for rank, proc in enumerate(procs):
-                try:
-                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"rank {rank} did not finish within {timeout_s:.0f} s") from None
-                if code != 0:
-                    raise RuntimeError(f"rank {rank} exited with code {code}")
-        finally:
+        except BaseException:  # a rank that could not start: the others would wait for it
             for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                proc.kill()
+                proc.wait()
+            raise
+        netns.wait_ranks(procs, timeout_s)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

@@ -199,6 +199,11 @@ def test_slowlink_rejects_a_single_rank():
         netns.SlowLink(2, 0)
 
 
+def _netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
 @pytest.mark.timeout(60)
 def test_slowlink_namespaces_are_removed_afterwards():
     sys.path.insert(0, str(BENCH))
@@ -210,21 +215,17 @@ def test_slowlink_namespaces_are_removed_afterwards():
     if reason:
         pytest.skip(reason)
 
-    def names() -> set[str]:
-        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-    link = netns.SlowLink(2, 1.0, tag="t" + str(id(names) % 100000))
+    link = netns.SlowLink(2, 1.0, tag="t" + str(id(_netns_names) % 100000))
     try:
         with link:
-            assert set(link.namespaces) <= names()
+            assert set(link.namespaces) <= _netns_names()
             qdisc = subprocess.run(["tc", "-n", link.namespaces[0], "qdisc", "show", "dev", link.ifnames[0]],
                                    capture_output=True, text=True).stdout
             assert "tbf" in qdisc and "rate 1Gbit" in qdisc
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         pass
-    assert not set(link.namespaces) & names()
+    assert not set(link.namespaces) & _netns_names()
 
 
 def test_slowlink_nodes_of_several_ranks_share_a_namespace():
@@ -247,11 +248,7 @@ def hierarchy_quick(tmp_path_factory) -> dict:
     if reason:
         pytest.skip(reason)
 
-    def names() -> set[str]:
-        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-    before = names()
+    before = _netns_names()
     out = tmp_path_factory.mktemp("hierarchy")
     try:
         proc = subprocess.run([sys.executable, str(BENCH / "hierarchy.py"), "--quick", "--out-dir", str(out)],
@@ -259,7 +256,7 @@ def hierarchy_quick(tmp_path_factory) -> dict:
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"hierarchy.py --quick did not finish in {exc.timeout} s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert names() == before, "namespaces left behind"
+    assert _netns_names() == before, "namespaces left behind"
     markdown = (out / "hierarchy_quick.md").read_text()
     assert markdown.startswith("# Two-level 1-bit all-reduce: 2 nodes x 2 ranks")
     return {**json.loads((out / "hierarchy_quick.json").read_text()), "markdown": markdown}
