@@ -15,7 +15,6 @@ step averages gradients in full precision; ``comm_stats()`` counts steps and byt
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
