@@ -44,6 +44,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_accelerate_averages_once_and_tracks_the_plain_loop(tmp_path, case):
     ranks = _run(tmp_path, *CASES[case])

@@ -17,6 +17,7 @@ def gloo_outcomes(request, tmp_path_factory):
     return conformance.gloo_suite(request.param, tmp_path_factory.mktemp(f"gloo{request.param}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", conformance.CHECK_NAMES)
 def test_gloo_backend_conforms(gloo_outcomes, check):
     for rank, outcomes in enumerate(gloo_outcomes):

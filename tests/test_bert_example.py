@@ -96,6 +96,7 @@ def _records(run_dir: Path, event: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
+@pytest.mark.slow
 def test_pretrain_two_ranks_crosses_freeze_step_and_resumes_bit_for_bit(tmp_path):
     common = [
         "--config", str(EXAMPLE / "configs" / "onebit_gloo.json"), "--freeze-step", "4", "--steps", "8",
@@ -421,6 +422,7 @@ def test_compare_zoadam_adds_a_finished_onebit_run_from_another_comparison(tmp_p
     assert launched == []
 
 
+@pytest.mark.slow
 def test_pretrain_two_ranks_zerooneadam_local_steps_and_resume_between_syncs(tmp_path):
     """0/1 Adam crosses var_freeze_step 4, then syncs at steps 5, 7 and 11 and steps locally at
     6, 8-10 and 12 (local_step_scaler 1, clipper 4): the ranks differ after step 12, so each
@@ -470,6 +472,7 @@ def test_run_status_trusts_no_non_finite_final_loss():
     assert bert_compare.run_status({"step": 3, "status": "stopped"})[0] == "stopped"
 
 
+@pytest.mark.slow
 def test_compare_exits_1_on_a_real_run_that_blows_up(tmp_path):
     """Two real 2-rank runs of a micro BERT at lr 1000: both blow up within a few steps."""
     out = tmp_path / "cmp"

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import onebit
+from conftest import all_equal, tiny_mlp
 from distributed import run_ranks
 from onebit import OnebitAdam, load_checkpoint, save_checkpoint
 
 
 def _model(width: int = 6) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(width, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    return tiny_mlp(width, 5, 2)
 
 
 def _train(model, opt, rank: int, steps: range) -> None:
@@ -38,17 +38,13 @@ def _fingerprint(model, opt):
         t.clone() for p in model.parameters() for t in opt.state[p].values()] + [torch.tensor(opt.step_count)]
 
 
-def _unchanged(before, after) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(before, after))
-
-
 def test_round_trip_restores_model_optimizer_and_extra(tmp_path):
     model, opt = _local()
     _train(model, opt, 0, range(4))
     save_checkpoint(tmp_path / "ckpt.pt", opt, model=model, extra={"epoch": 3})
     model2, opt2 = _local()
     assert load_checkpoint(tmp_path / "ckpt.pt", opt2, model=model2) == {"epoch": 3}
-    assert _unchanged(_fingerprint(model, opt), _fingerprint(model2, opt2))
+    assert all_equal(_fingerprint(model, opt), _fingerprint(model2, opt2))
     assert not list(tmp_path.glob(".*tmp*")), "no temporary file is left behind"
 
 
@@ -68,7 +64,7 @@ def test_crash_before_rename_leaves_the_previous_checkpoint_loadable(tmp_path, m
     monkeypatch.undo()
     model2, opt2 = _local()
     load_checkpoint(tmp_path / "ckpt.pt", opt2, model=model2)
-    assert _unchanged(good, _fingerprint(model2, opt2))
+    assert all_equal(good, _fingerprint(model2, opt2))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
@@ -84,7 +80,7 @@ def test_damaged_file_is_rejected_and_nothing_changes(tmp_path, damage):
     before = _fingerprint(model2, opt2)
     with pytest.raises(ValueError, match="is truncated or corrupt"):
         load_checkpoint(path, opt2, model=model2)
-    assert _unchanged(before, _fingerprint(model2, opt2))
+    assert all_equal(before, _fingerprint(model2, opt2))
 
 
 def test_checkpoint_of_another_model_is_rejected_and_nothing_changes(tmp_path):
@@ -95,7 +91,7 @@ def test_checkpoint_of_another_model_is_rejected_and_nothing_changes(tmp_path):
     before = _fingerprint(other, other_opt)
     with pytest.raises(ValueError, match=r"has shape \(5, 6\), the model has \(5, 7\)"):
         load_checkpoint(tmp_path / "ckpt.pt", other_opt, model=other)
-    assert _unchanged(before, _fingerprint(other, other_opt))
+    assert all_equal(before, _fingerprint(other, other_opt))
 
 
 def _rewrite_state_part(path, change) -> None:
@@ -136,7 +132,7 @@ def test_a_damaged_state_part_is_caught_by_its_digest_and_nothing_changes(tmp_pa
     before = _fingerprint(model2, opt2)
     with pytest.raises(ValueError, match="does not match the digest its manifest records"):
         load_checkpoint(path, opt2, model=model2)
-    assert _unchanged(before, _fingerprint(model2, opt2))
+    assert all_equal(before, _fingerprint(model2, opt2))
 
 
 def test_a_single_file_checkpoint_of_onebit_0_1_still_loads(tmp_path):
@@ -147,7 +143,7 @@ def test_a_single_file_checkpoint_of_onebit_0_1_still_loads(tmp_path):
     torch.save(legacy, tmp_path / "old.pt")
     model2, opt2 = _local()
     assert load_checkpoint(tmp_path / "old.pt", opt2, model=model2, exact_resume=True) == {"epoch": 1}
-    assert _unchanged(_fingerprint(model, opt), _fingerprint(model2, opt2))
+    assert all_equal(_fingerprint(model, opt), _fingerprint(model2, opt2))
 
 
 def test_saves_keep_only_the_parts_the_manifest_can_name(tmp_path):
@@ -187,6 +183,7 @@ def _resume_rank(rank, world_size, path, mode):
     return {"params": [p.detach().clone() for p in model.parameters()], "errors": opt.comm_stats()["worker_error_norm"]}
 
 
+@pytest.mark.slow
 def test_exact_resume_on_the_same_world_size_is_bit_identical(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     straight = run_ranks(_resume_rank, 2, tmp_path / "a", path, "straight")
@@ -196,6 +193,7 @@ def test_exact_resume_on_the_same_world_size_is_bit_identical(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(straight[r]["params"], resumed[r]["params"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_on, loaded_on", [(3, 2), (2, 3)])
 def test_resume_on_another_world_size_falls_back_to_the_reset(tmp_path, saved_on, loaded_on):
     path = str(tmp_path / "ckpt.pt")

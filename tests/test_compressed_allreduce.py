@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from conftest import bit_equal
 from distributed import run_ranks
 from onebit.backends.torch_dist import TorchDistBackend
 from onebit.collectives import CompressionState, compressed_allreduce_
@@ -120,15 +121,7 @@ def _oracle(world_size: int, layout_name: str) -> list:
     return sims
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (``-0.0`` is not ``+0.0``)."""
-    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels_name", KERNELS)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -152,18 +145,19 @@ def test_distributed_matches_oracle_and_is_identical_on_every_rank(gloo_results,
                 expected[part] = sim.server_scales[j, i] * sim.server_signs[part]
         for rank, result in enumerate(results):
             # Every rank holds exactly the same bytes, padding slots included.
-            assert _same(result["buffers"][t], results[0]["buffers"][t])
+            assert bit_equal(result["buffers"][t], results[0]["buffers"][t])
             # Worker and server errors determine the signs and scales sent: they match exactly.
-            assert _same(result["worker_errors"][t], sim.worker_errors[rank])
-            assert _same(result["server_errors"][t], sim.server_errors[rank])
+            assert bit_equal(result["worker_errors"][t], sim.worker_errors[rank])
+            assert bit_equal(result["server_errors"][t], sim.server_errors[rank])
             # Two collectives, one row of signs and k scales per rank, whatever k.
             row = row_bytes(layout.padded, n, k)
             assert row == layout.padded // (8 * n) + 4 * k
             assert result["calls"][t] == [("start_all_to_all", n * row), ("start_all_gather", row)]
-        assert _same(results[0]["outputs"][t], sim.output)
-        assert _same(results[0]["buffers"][t], expected)
+        assert bit_equal(results[0]["outputs"][t], sim.output)
+        assert bit_equal(results[0]["buffers"][t], expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_segments_have_scales_of_their_own_on_the_wire(gloo_results, world_size):
     """The tensors of a bucket (inputs at magnitudes 1e-2, 1, 1e2) come back at their own

@@ -200,6 +200,7 @@ def test_deepspeed_examples_naming_nccl_refuse_a_gloo_process_group(gloo_group, 
         from_config(_params(), config)
 
 
+@pytest.mark.slow
 def test_deepspeed_example_naming_mpi_builds_an_mpi_backend(tmp_path):
     pytest.importorskip("mpi4py")
     path = tmp_path / "bert_mpi.json"

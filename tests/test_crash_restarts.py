@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # torchrun jobs with restarts, 10-15 s each
+
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "elastic_train.py"
 STEPS, SAVE_EVERY = 24, 5

@@ -104,6 +104,7 @@ def test_reference_file_describes_the_comparison():
     assert any(p.numel() % 16 for p in REFERENCE["runs"][2]["initial"].values())  # odd sizes padded at n=2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("bucket_size", [DEFAULT_BUCKET, 1], ids=["one_bucket", "bucket_per_tensor"])
 def test_onebit_adam_follows_deepspeed_trajectory(onebit_runs, world_size, bucket_size):

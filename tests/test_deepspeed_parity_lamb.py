@@ -95,6 +95,7 @@ def test_reference_file_describes_the_comparison():
         assert run["scaling_coeff"].tolist() == [1.0]
 
 
+@pytest.mark.slow
 def test_onebit_lamb_follows_deepspeed_trajectory(onebit_run):
     world_size, results = onebit_run
     run = REFERENCE["runs"][CASE][world_size]

@@ -24,6 +24,8 @@ import onebit
 from deepspeed_replay import DATA_DIR, backward, load_model, reference_script, relative_differences
 from distributed import run_ranks
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 DATA = DATA_DIR / "deepspeed_zerooneadam.pt"
 # max |p_r - p_ds,r| / max |p_ds,r| over ranks at every step: a few float32 roundings per step
 # (onebit's momentum is a lerp, its update fused; the scale's sum in another order). A step of

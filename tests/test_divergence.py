@@ -10,14 +10,14 @@ import torch
 
 import onebit.kernels as kernels
 import onebit.kernels.registry as registry
+from conftest import seeded_params
 from onebit import OnebitAdam
 from onebit.kernels import REFERENCE, KernelSet, reference
 from onebit.health import ERROR_RATIO_TO_WARN, HEALTH_CHECK_INTERVAL, SKIPS_TO_WARN
 
 
 def _opt(**kwargs):
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(40))]
+    params = seeded_params(300, 40)
     return params, OnebitAdam(params, lr=1e-3, freeze_step=2, comm_backend_name="local", kernels="reference", **kwargs)
 
 
@@ -103,8 +103,7 @@ def lossy_kernels():
 
 def _mixed_run(kernel_name, divergence, steps):
     """A large tensor with unit gradients and a small one whose gradients are 1e-4 of them."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(40))]
+    params = seeded_params(300, 40)
     opt = OnebitAdam(params, lr=1e-3, freeze_step=2, comm_backend_name="local", kernels=kernel_name,
                      divergence=divergence)
     for _ in range(steps):

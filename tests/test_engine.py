@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import onebit
+from conftest import seeded_params
 from distributed import run_ranks
 from onebit import LocalBackend, OnebitAdam, OnebitLamb, OnebitOptimizer, StepPlan
 from onebit.buckets import Bucket
@@ -61,8 +62,7 @@ def _grads(params, rank, step):
 
 
 def _sgd_rank(rank, world_size, steps):
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(3))]
+    params = seeded_params((5, 7), 3)
     opt = CompressedSGD(params, lr=0.1, period=2, comm_backend_name="gloo")
     for t in range(1, steps + 1):
         _grads(params, rank, t)
@@ -70,6 +70,7 @@ def _sgd_rank(rank, world_size, steps):
     return {"params": [p.detach().clone() for p in params], "stats": opt.comm_stats()}
 
 
+@pytest.mark.slow
 def test_a_third_algorithm_on_the_engine_matches_its_oracle_on_gloo_ranks(tmp_path):
     n, steps = 2, 5
     results = run_ranks(_sgd_rank, n, tmp_path, steps)
@@ -185,6 +186,7 @@ def test_no_import_circle_between_onebit_modules():
     assert "onebit.engine" in graph["onebit.checkpoint"]  # the checker sees imports (checkpoint uses the engine)
 
 
+@pytest.mark.slow
 def test_import_onebit_sets_no_warnings_filter_and_the_estimate_cli_runs_without_warnings():
     # torch and numpy install their own filters when imported; onebit must add none.
     code = ("import torch, numpy, warnings; before = list(warnings.filters); import onebit, onebit.estimate; "

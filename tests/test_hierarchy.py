@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from conftest import tiny_mlp
 from distributed import run_ranks
 from onebit import OnebitAdam, ZeroOneAdam
 from onebit.collectives import finish_, start_server_, start_worker_
@@ -63,6 +64,7 @@ CASES = [(4, 2, "compressed", 64, "auto"), (4, 2, "node_mean", 64, "reference"),
          (6, 2, "node_mean", None, "auto"), (6, 3, "compressed", None, "reference"), (6, 3, "node_mean", 64, "auto")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, local, variant, block, kernels", CASES)
 def test_two_level_allreduce_equals_the_oracle_bit_for_bit(tmp_path, world_size, local, variant, block, kernels):
     ranks = run_ranks(_two_level_rank, world_size, tmp_path, local, variant, block, kernels)
@@ -109,8 +111,7 @@ def test_hierarchy_arguments_are_checked():
 
 
 def _train(rank, cls, hierarchy, variant):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    model = tiny_mlp(8, 24, 3)
     if cls == "adam":
         opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, hierarchy=hierarchy, hierarchy_variant=variant)
     else:
@@ -139,6 +140,7 @@ def trained(tmp_path_factory):
     return run_ranks(_optimizers_rank, 4, tmp_path_factory.mktemp("hierarchy_optimizers"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["compressed", "node_mean"])
 def test_onebit_adam_with_hierarchy_keeps_ranks_identical_and_counts_each_level(trained, variant):
     two = [r["adam", 2, variant] for r in trained]
@@ -166,6 +168,7 @@ def test_onebit_adam_with_hierarchy_keeps_ranks_identical_and_counts_each_level(
         flat_stats["bytes_sent"] - flat_allreduce)
 
 
+@pytest.mark.slow
 def test_zero_one_adam_with_hierarchy_is_identical_after_syncs(trained):
     ranks = [r["zoadam", 2, "compressed"] for r in trained]
     assert ranks[0]["topology"] == (2, 2)
@@ -191,6 +194,7 @@ def _fallback_rank(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_topologies_without_two_levels_fall_back_to_flat_with_one_log_line(tmp_path):
     ranks = run_ranks(_fallback_rank, 4, tmp_path)
     for hierarchy, why in [(3, "4 ranks are not whole groups of hierarchy=3"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import tiny_mlp
 from distributed import run_ranks
 from onebit import OnebitAdam
 from onebit.integrations import attach_ddp
@@ -14,8 +15,7 @@ STEPS, FREEZE = 7, 3
 
 
 def _model(dtype=torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(dtype)
+    return tiny_mlp(6, 16, 3).to(dtype)
 
 
 def _batch(rank: int, step: int):
@@ -57,6 +57,7 @@ def _max_diff(a, b) -> float:
     return max((x - y).abs().max().item() for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
+@pytest.mark.slow
 def test_ddp_with_hook_equals_plain_onebit_in_both_phases(tmp_path):
     plain = run_ranks(_run, 2, tmp_path / "plain", "plain")
     ddp = run_ranks(_run, 2, tmp_path / "ddp", "ddp")
@@ -72,6 +73,7 @@ def test_ddp_with_hook_equals_plain_onebit_in_both_phases(tmp_path):
     assert ddp[0]["synced"] == [step < FREEZE for step in range(1, STEPS + 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["accumulate", "ddp_accumulate"])
 def test_two_half_batches_track_one_full_batch(tmp_path, mode):
     full = run_ranks(_run, 2, tmp_path / "full", "plain")
@@ -106,6 +108,7 @@ def _relative(a, b) -> float:
     return (num / sum(y.square().sum() for y in b).sqrt()).item()
 
 
+@pytest.mark.slow
 def test_amp_autocast_and_bf16_parameters_track_fp32(tmp_path):
     fp32 = run_ranks(_amp, 2, tmp_path / "fp32", torch.float32, False)
     autocast = run_ranks(_amp, 2, tmp_path / "autocast", torch.float32, True)
@@ -143,6 +146,7 @@ def _sync_flag_follows_the_phase(rank, world_size):
     return flags
 
 
+@pytest.mark.slow
 def test_attach_ddp_turns_ddp_sync_off_in_compression_and_back_after_a_load(tmp_path):
     results = run_ranks(_sync_flag_follows_the_phase, 2, tmp_path)
     # before step 1, after steps 1-3 (the next step: warmup, compression, compression), after the load

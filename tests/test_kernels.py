@@ -829,6 +829,7 @@ def test_importing_onebit_compiles_nothing_and_imports_no_cupy():
 # CUDA sources: nvcc, and the package data
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvcc_compiles_the_kernels_without_warnings(arch, tmp_path):
@@ -868,6 +869,7 @@ def _can_build_without_isolation() -> bool:
     return version >= (68, 0)
 
 
+@pytest.mark.slow
 def test_installed_wheel_ships_the_kernel_sources(tmp_path):
     """Build a wheel from a copy of the tree, install it into a target folder and find the
     sources through importlib.resources from another working directory."""

@@ -216,6 +216,7 @@ def mpiexec_runs(tmp_path_factory):
     return _MpiexecRuns(tmp_path_factory.mktemp("mpiexec"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_mpi_suite_passes_on_every_rank_under_mpiexec(mpiexec_runs, n):
     proc, results = mpiexec_runs.get(n)
@@ -230,6 +231,7 @@ def test_mpi_suite_passes_on_every_rank_under_mpiexec(mpiexec_runs, n):
     assert not list(results.glob(f"*_rank{n}.pt")), "more ranks than launched"
 
 
+@pytest.mark.slow
 def test_mpi_and_gloo_give_identical_compressed_allreduce_and_training_on_2_ranks(mpiexec_runs, tmp_path_factory):
     proc, results = mpiexec_runs.get(2)
     assert proc.returncode == 0, proc.stdout[-6000:]

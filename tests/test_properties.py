@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import bit_equal
 from onebit.backends.base import CommBackend
 from onebit.collectives import CompressionState, compressed_allreduce_
 from onebit.compression import SegmentLayout, padded_length
@@ -182,15 +183,6 @@ def _random_errors(gen: torch.Generator, n: int, padded: int):
             [torch.randn(padded // n, generator=gen) for _ in range(n)])
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (``-0.0`` is not ``+0.0``)."""
-    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
-
-
 @settings(max_examples=40, deadline=None)
 @given(st.lists(floats, min_size=0, max_size=300).map(lambda v: v[: len(v) // 8 * 8]))
 def test_pack_then_unpack_gives_the_sign_convention(values):
@@ -250,8 +242,8 @@ def test_threaded_allreduce_equals_the_oracle(table, rounds, seed, special):
                                             scale_block_size=block)
         worker_errors, server_errors = sim.worker_errors, sim.server_errors
         for rank in range(world_size):
-            assert _same(outputs[t][rank], outputs[t][0])
-        assert _same(outputs[t][0], sim.output)
+            assert bit_equal(outputs[t][rank], outputs[t][0])
+        assert bit_equal(outputs[t][0], sim.output)
         assert torch.isfinite(outputs[t][0]).all()
 
 
@@ -274,14 +266,14 @@ def test_each_segment_is_compressed_as_if_it_were_alone(table, seed):
             [e[lo:hi] for e in worker_errors],
             [e[lo // n:hi // n] for e in server_errors],
         )
-        assert _same(sim.output[offset:offset + count], alone.output)
-        assert _same(sim.worker_scales[:, seg], alone.worker_scales[:, 0])
-        assert _same(sim.server_scales[:, seg], alone.server_scales[:, 0])
-        assert _same(sim.server_signs[lo:hi], alone.server_signs)
+        assert bit_equal(sim.output[offset:offset + count], alone.output)
+        assert bit_equal(sim.worker_scales[:, seg], alone.worker_scales[:, 0])
+        assert bit_equal(sim.server_scales[:, seg], alone.server_scales[:, 0])
+        assert bit_equal(sim.server_signs[lo:hi], alone.server_signs)
         for r in range(n):
-            assert _same(sim.worker_errors[r][lo:hi], alone.worker_errors[r])
-            assert _same(sim.worker_signs[r][lo:hi], alone.worker_signs[r])
-            assert _same(sim.server_errors[r][lo // n:hi // n], alone.server_errors[r])
+            assert bit_equal(sim.worker_errors[r][lo:hi], alone.worker_errors[r])
+            assert bit_equal(sim.worker_signs[r][lo:hi], alone.worker_signs[r])
+            assert bit_equal(sim.server_errors[r][lo // n:hi // n], alone.server_errors[r])
 
 
 @settings(max_examples=40, deadline=None)
@@ -304,12 +296,12 @@ def test_changing_one_tensor_changes_no_other_tensor(table, seed, which):
     for seg, (lo, hi, tensor, offset, count) in enumerate(_segment_table(layout)):
         if tensor == changed:
             continue
-        assert _same(a.output[offset:offset + count], b.output[offset:offset + count])
-        assert _same(a.worker_scales[:, seg], b.worker_scales[:, seg])
-        assert _same(a.server_scales[:, seg], b.server_scales[:, seg])
+        assert bit_equal(a.output[offset:offset + count], b.output[offset:offset + count])
+        assert bit_equal(a.worker_scales[:, seg], b.worker_scales[:, seg])
+        assert bit_equal(a.server_scales[:, seg], b.server_scales[:, seg])
         for r in range(n):
-            assert _same(a.worker_errors[r][lo:hi], b.worker_errors[r][lo:hi])
-            assert _same(a.server_errors[r][lo // n:hi // n], b.server_errors[r][lo // n:hi // n])
+            assert bit_equal(a.worker_errors[r][lo:hi], b.worker_errors[r][lo:hi])
+            assert bit_equal(a.server_errors[r][lo // n:hi // n], b.server_errors[r][lo // n:hi // n])
 
 
 @settings(max_examples=30, deadline=None)
@@ -330,12 +322,12 @@ def test_padding_is_only_zeros(table, seed):
     sim = simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=numels, scale_block_size=block)
     ref = simulate_compressed_allreduce(padded_inputs, worker_errors, server_errors, numels=extents,
                                         scale_block_size=block)
-    assert _same(torch.cat([ref.output[place] for place in layout.slices()]), sim.output)
-    assert _same(ref.worker_scales, sim.worker_scales) and _same(ref.server_scales, sim.server_scales)
-    assert _same(ref.server_signs, sim.server_signs)
+    assert bit_equal(torch.cat([ref.output[place] for place in layout.slices()]), sim.output)
+    assert bit_equal(ref.worker_scales, sim.worker_scales) and bit_equal(ref.server_scales, sim.server_scales)
+    assert bit_equal(ref.server_signs, sim.server_signs)
     for r in range(n):
-        assert _same(ref.worker_errors[r], sim.worker_errors[r])
-        assert _same(ref.server_errors[r], sim.server_errors[r])
+        assert bit_equal(ref.worker_errors[r], sim.worker_errors[r])
+        assert bit_equal(ref.server_errors[r], sim.server_errors[r])
 
 
 def _server_error_in_place(layout: SegmentLayout, server_errors: list[torch.Tensor]) -> torch.Tensor:
@@ -371,7 +363,7 @@ def test_output_magnitudes_are_the_segments_server_scales(table, seed):
     inputs = _segment_inputs(gen, n, numels)
     sim = simulate_compressed_allreduce(inputs, *_random_errors(gen, n, layout.padded), numels=numels,
                                         scale_block_size=block)
-    assert _same(torch.cat([_output_in_place(layout, sim)[place] for place in layout.slices()]), sim.output)
+    assert bit_equal(torch.cat([_output_in_place(layout, sim)[place] for place in layout.slices()]), sim.output)
     assert (sim.server_signs.abs() == 1).all()
     for seg, (lo, hi, _, offset, count) in enumerate(_segment_table(layout)):
         chunk = (hi - lo) // n

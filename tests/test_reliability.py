@@ -8,13 +8,15 @@ import time
 import pytest
 import torch
 
+from conftest import clone_params, tiny_mlp
 from distributed import run_ranks
 from onebit import OnebitAdam
 
+pytestmark = pytest.mark.slow  # every test spawns gloo ranks
+
 
 def _model(width: int = 6) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(width, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    return tiny_mlp(width, 4, 2)
 
 
 def _backward(model, rank: int, step: int, scaler=None) -> None:
@@ -118,7 +120,7 @@ def _unscaled_rank(rank, world_size, use_scaler):
             scaler.update()
         else:
             opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return clone_params(model.parameters())
 
 
 def test_grad_scaler_unscales_before_communicating(tmp_path):

@@ -23,8 +23,11 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import tiny_mlp
 from distributed import run_ranks
 from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam, load_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.slow  # gloo ranks
 
 EXAMPLES = int(os.environ.get("ONEBIT_SOAK_EXAMPLES", "1"))
 OPTIMIZERS = {
@@ -45,8 +48,7 @@ action = st.one_of(
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Tanh(), torch.nn.Linear(9, 2))
+    return tiny_mlp(5, 9, 2)
 
 
 def _snapshot(model, opt) -> list[torch.Tensor]:

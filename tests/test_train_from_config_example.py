@@ -16,6 +16,8 @@ import torch
 
 from launch import mpiexec, run_job
 
+pytestmark = pytest.mark.slow  # torchrun and mpiexec runs of the example
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_from_config.py"
 CONFIGS = ROOT / "examples" / "configs"

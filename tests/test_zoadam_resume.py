@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import onebit
+from conftest import tiny_mlp
 from distributed import run_ranks
 
 SCHEDULE = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
@@ -33,8 +34,7 @@ LOST = 2  # steps trained after the save and lost to the "crash"
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return tiny_mlp(6, 16, 4)
 
 
 def _optimizer(model: torch.nn.Module) -> onebit.ZeroOneAdam:
@@ -124,6 +124,7 @@ def test_schedule_of_these_tests():
 # k: 8 = phase 1 at variance interval 4 (the next two steps are compressed-gradient steps; DeepSpeed's
 # reset interval 1 took them for variance updates on local gradients); 10 = the end of phase 1;
 # 15 = right after a sync; 16 = between syncs (a local step; ranks differ).
+@pytest.mark.slow
 @pytest.mark.parametrize("k", EXACT)
 def test_exact_resume_is_bit_identical(k, runs):
     results = [r[("exact", k)] for r in runs]
@@ -137,11 +138,13 @@ def test_exact_resume_is_bit_identical(k, runs):
     assert ranks_differ == (KINDS[k - 1] == "L")  # each rank resumed its own parameters between syncs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", APPROXIMATE)
 def test_resume_without_exact_state_is_the_same_on_every_rank(k, runs):
     _check_common_resume([r[("approximate", k)] for r in runs], k)
 
 
+@pytest.mark.slow
 def test_resume_on_three_ranks_from_two(tmp_path):
     k = 16  # between syncs: the two ranks' parameters differ; rank 0's are saved
     run_ranks(_rank, 2, tmp_path / "save", str(tmp_path), k, False)
@@ -181,6 +184,7 @@ def _save_without_model(rank: int, world_size: int, path: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_exact_resume_between_syncs_needs_the_model(tmp_path):
     assert run_ranks(_save_without_model, 2, tmp_path, str(tmp_path / "ckpt.pt")) == [True, True]
 

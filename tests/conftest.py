@@ -1,0 +1,43 @@
+"""Helpers shared by the test modules: tiny seeded models and parameters, and exact comparisons.
+
+Test modules import them with ``from conftest import ...`` (pytest puts ``tests/`` on ``sys.path``,
+as it does for ``distributed`` and ``launch``; ranks spawned by ``distributed.run_ranks`` inherit
+it). Every builder seeds the global torch RNG first and draws in a fixed order, so a module that
+switched to one of them builds exactly the tensors it built before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_mlp(d_in: int, hidden: int, d_out: int, *, seed: int = 0) -> torch.nn.Sequential:
+    """``torch.manual_seed(seed)``, then ``Linear(d_in, hidden), Tanh(), Linear(hidden, d_out)``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, d_out))
+
+
+def seeded_params(*shapes: int | tuple[int, ...], seed: int = 0) -> list[torch.nn.Parameter]:
+    """``torch.manual_seed(seed)``, then one ``Parameter(torch.randn(shape))`` per shape, in order."""
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+
+
+def clone_params(params) -> list[torch.Tensor]:
+    """Detached copies of ``params`` (a list or ``model.parameters()``)."""
+    return [p.detach().clone() for p in params]
+
+
+def all_equal(a, b) -> bool:
+    """``torch.equal`` pairwise over two sequences of tensors (``zip``: extra items are ignored)."""
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The float32 bit patterns of ``t`` as int32."""
+    return t.contiguous().view(torch.int32)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (``-0.0`` is not ``+0.0``), shapes included."""
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
