@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from .compression import SegmentLayout
 from .hierarchy import Topology, TwoLevelState
 from .kernels.reference import pack_signs
 
-__all__ = ["Bucket", "split_into_buckets", "set_masks", "check_grads", "grads_of", "all_finite", "build_keep_mask",
+__all__ = ["Bucket", "Derived", "split_into_buckets", "set_masks", "check_grads", "grads_of", "all_finite", "build_keep_mask",
            "layout_digest", "check_layout"]
 
 # Up to this many gradient tensors the finiteness check sums each (the fastest pass over a large
@@ -32,6 +33,26 @@ _FEW_TENSORS = 64
 # read of a packed mask over 1000 k coordinates does (0.14 ms per 25M; one CPU core): a bucket
 # whose keep mask has more zeros than 1/RATIO of its length hands the mask to the decode.
 _DENSE_MASK_RATIO = 1024
+
+
+@dataclass
+class Derived:
+    """Values derived from a bucket's state, kept between steps, never saved.
+
+    ``frozen_zeros`` / ``frozen_keep``: where the compressed buffer is kept 0 (the user's mask, the
+    algorithm's dead coordinates, the padding), or None: the indices when they are few (applying
+    them costs what they hold), else packed bits over the padded buffer (set = keep) that the
+    decode applies in its own pass; ``frozen_mask_ready`` once derived (first compression step,
+    or the first after an invalidation). ``denominator``: the flat denominator of a frozen
+    variance for ``denominator_key`` (what it was computed with), and its per-parameter views.
+    """
+
+    frozen_zeros: torch.Tensor | None = None
+    frozen_keep: torch.Tensor | None = None
+    frozen_mask_ready: bool = False
+    denominator: torch.Tensor | None = None
+    denominator_key: Any = None
+    denominators: list[torch.Tensor] = field(default_factory=list)
 
 
 class Bucket:
@@ -69,19 +90,9 @@ class Bucket:
         # allocated on first use; see scratch().
         self._scratch: dict[str, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None  # the user's momentum mask (1 keep, 0 zero), padded layout
-        # Where the compressed buffer is kept 0 (the user's mask, the algorithm's dead coordinates,
-        # the padding), or None: the indices when they are few (applying them costs what they
-        # hold), else packed bits over the padded buffer (set = keep) that the decode applies in
-        # its own pass. Derived when compression starts or state is loaded (the engine's
-        # ``_build_keep_masks``).
-        self.frozen_zeros: torch.Tensor | None = None
-        self.frozen_keep: torch.Tensor | None = None
-        self.frozen_mask_ready = False
-        # The denominator of a frozen variance, for the key it was computed with, and its views
-        # (see onebit.frozen); None until first needed and after a load.
-        self.denominator: torch.Tensor | None = None
-        self.denominator_key: Any = None
-        self.denominators: list[torch.Tensor] = []
+        # What the algorithm derives from the state and keeps between steps (see Derived): one
+        # object, replaced by invalidate() whenever the state changes from outside a step.
+        self.derived = Derived()
         self.compressed: torch.Tensor | None = None  # the buffer of the last compressed step
         self.same_dtype = all(p.dtype == torch.float32 for p in params)
         self.compression: CompressionState | TwoLevelState | None = None
@@ -89,6 +100,33 @@ class Bucket:
             self.compression = TwoLevelState(self.padded, self.layout.edges, topology, self.device)
         elif compress:
             self.compression = CompressionState(self.padded, world_size, self.device, self.layout.edges)
+
+    def invalidate(self, everything: bool = True) -> None:
+        """Forget what was derived from the state (after a load or a copy: everything; after some
+        parameters' state was put back as it was before a step, which cannot change where the
+        variance is 0: the denominator only). It is rebuilt from the buffers when next needed."""
+        if everything:
+            self.derived = Derived()
+        else:
+            self.derived.denominator = self.derived.denominator_key = None
+            self.derived.denominators = []
+
+    def hold(self, indices: Sequence[int], shared: Sequence[str] = ()) -> Held:
+        """Copies of everything a step may change for the parameters ``indices``: the parameters,
+        their state (buffers, and scalars other than ``shared``, which advance with the step on
+        every rank) and, with a flat compressed all-reduce, their segments' compression errors;
+        :meth:`Held.restore_` puts them back after the step."""
+        targets = []
+        for i in indices:
+            targets.append(self.params[i])
+            targets.extend(views[i] for views in self.views.values())
+            targets.extend(values[i:i + 1] for name, values in self.scalars.items() if name not in shared)
+            if isinstance(self.compression, CompressionState):
+                n = self.compression.world_size
+                start = self.layout.starts[i]
+                end = self.layout.starts[i + 1] if i + 1 < len(self.params) else self.padded
+                targets += [self.compression.worker_error[start:end], self.compression.server_error[start // n:end // n]]
+        return Held(self, [(target, target.clone()) for target in targets])
 
     def add_buffer(self, name: str) -> None:
         """Allocate the per-element state buffer ``name`` (zeros) and its views, if absent."""
@@ -121,24 +159,45 @@ class Bucket:
             buffer = self._scratch[name] = torch.zeros(size, dtype=torch.float32, device=self.device)
         return buffer
 
-    def dense_grads(self) -> list[torch.Tensor] | None:
-        """Views of the ``'wire'`` buffer, one per parameter: the gradients end to end, which a
-        full-precision all-reduce sends instead of the padded layout; None when nothing is padded."""
-        if self.padded == self.numel:
-            return None
-        return list(self.scratch("wire", self.numel).split([p.numel() for p in self.params]))
+    def wire(self) -> torch.Tensor:
+        """What a full-precision all-reduce of this bucket sends: the gradients end to end (not
+        in the padded layout, so that exactly their bytes travel), then one presence flag per
+        parameter (1.0 where this rank has a gradient; after the mean, 0 where no rank has one)."""
+        return self.scratch("wire", self.numel + len(self.params))
+
+    def dense_grads(self) -> list[torch.Tensor]:
+        """Views of :meth:`wire`'s gradients, one per parameter."""
+        return list(self.wire()[:self.numel].split([p.numel() for p in self.params]))
+
+    def presence(self) -> torch.Tensor:
+        """The presence flags at the end of :meth:`wire`."""
+        return self.wire()[self.numel:]
 
     def averaged_grad(self) -> torch.Tensor:
-        """The (averaged) gradient in the padded layout (``'grad'``), spread from ``'wire'`` when the
-        gradients travelled end to end."""
+        """The (averaged) gradient of :meth:`wire` in the padded layout: the wire itself when
+        nothing is padded, else spread into ``'grad'``."""
+        if self.padded == self.numel:
+            return self.wire()[:self.numel]
         grad = self.scratch("grad")
-        dense = self.dense_grads()
-        if dense is not None:
-            torch._foreach_copy_([grad[s] for s in self.slices], dense)
+        torch._foreach_copy_([grad[s] for s in self.slices], self.dense_grads())
         return grad
 
     def release_scratch(self) -> None:
         self._scratch.clear()
+
+
+class Held:
+    """Values of a bucket kept through a step (see :meth:`Bucket.hold`)."""
+
+    def __init__(self, bucket: Bucket, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.bucket = bucket
+        self.saved = saved
+
+    def restore_(self) -> None:
+        """Put the values back; the denominator derived from the state is then out of date."""
+        for target, value in self.saved:
+            target.copy_(value)
+        self.bucket.invalidate(everything=False)
 
 
 def split_into_buckets(params: list[torch.Tensor], bucket_size: int) -> list[list[torch.Tensor]]:
@@ -208,14 +267,14 @@ def _gather_grads(bucket: Bucket, inv_scale: torch.Tensor | None, dense: bool) -
     """Copy the gradients (None: zeros) into one of the bucket's flat buffers and return the
     per-parameter views of it: end to end (``dense``, see :meth:`Bucket.dense_grads`) or in the
     bucket's padded layout (``'grad'``)."""
-    views = bucket.dense_grads() if dense else None
-    if views is None:
-        views = [bucket.scratch("grad")[s] for s in bucket.slices]
+    views = bucket.dense_grads() if dense else [bucket.scratch("grad")[s] for s in bucket.slices]
     for view, p in zip(views, bucket.params):
         if p.grad is None:
             view.zero_()
         else:
             view.copy_(p.grad.reshape(-1))
+    if dense:
+        bucket.presence().copy_(torch.tensor([float(p.grad is not None) for p in bucket.params]))
     if inv_scale is not None:
         torch._foreach_mul_(views, inv_scale.to(bucket.device))
     return [view.view(p.shape) for view, p in zip(views, bucket.params)]
@@ -265,12 +324,13 @@ def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> tuple[torch.Te
     if bucket.mask is not None:
         keep &= bucket.mask != 0
     zeros = bucket.padded - int(torch.count_nonzero(keep))  # the padding included: it is zeroed too
-    bucket.frozen_zeros = bucket.frozen_keep = None
+    derived = bucket.derived
+    derived.frozen_zeros = derived.frozen_keep = None
     if zeros * _DENSE_MASK_RATIO > bucket.padded:
-        bucket.frozen_keep = pack_keep(keep)
+        derived.frozen_keep = pack_keep(keep)
     elif zeros:
-        bucket.frozen_zeros = torch.nonzero(~keep).flatten()
-    bucket.frozen_mask_ready = True
+        derived.frozen_zeros = torch.nonzero(~keep).flatten()
+    derived.frozen_mask_ready = True
     return keep, dead_count
 
 

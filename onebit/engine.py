@@ -14,7 +14,9 @@ step averages gradients in full precision; ``comm_stats()`` counts steps and byt
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -22,23 +24,26 @@ from typing import Any, ClassVar
 
 import torch
 
-from .backends import CommBackend, resolve_backend
+from .backends import BACKEND_NAMES, CommBackend, resolve_backend
 from .buckets import (Bucket, all_finite, build_keep_mask, check_grads, check_layout, grads_of, set_masks,
                       split_into_buckets)
 from .collectives import finish_, start_server_, start_worker_
 from .health import HEALTH_CHECK_INTERVAL, Health, error_ratio
 from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
-from .state import StateDictContract
+from .state import StateDictContract, build_state_dict
 from .hierarchy import Topology, build_topology, check_hierarchy
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
-from .validation import check_common_group, check_engine_options, check_flag, check_params
+from .validation import check_common_group, check_engine_options, check_flag, check_params, refuse_unknown
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OnebitOptimizer", "StepPlan", "DEFAULT_BUCKET_SIZE"]
 
 DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
+# The first this many steps whose gradients the optimizer all-reduces itself look for gradients
+# that a framework averaged already (a forgotten adapter): a copy of the gradients each.
+DOUBLE_AVERAGE_CHECKS = 2
 
 
 class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
@@ -103,6 +108,9 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
     # (else they take local steps with the compressed ones).
     _AVERAGE_UNCOMPRESSED_ALWAYS: ClassVar[bool] = False
     _MASKED: ClassVar[str] = "exp_avg"
+    # Per-parameter scalars that advance with the step on every rank, gradient or not (a
+    # parameter left alone for want of a gradient keeps its other state as it was).
+    _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ()
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
     PLAN_NAMES: ClassVar[tuple[str, ...]] = ()
 
@@ -126,7 +134,9 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         divergence: str = "warn",
         hierarchy: Any = None,
         hierarchy_variant: str = "compressed",
+        **unknown: Any,
     ) -> None:
+        refuse_unknown(type(self).__name__, unknown)
         check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
         check_hierarchy(hierarchy, hierarchy_variant)
         defaults = {**defaults, "compress": True}
@@ -136,6 +146,9 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         self._kernel_choice = kernels
         self._buckets: list[Bucket] = []
         self._step = 0
+        self._steps_taken = 0  # step() calls on this object since it was built or last loaded
+        self._double_checks = 0  # the steps that looked for gradients the framework averaged already
+        self._synced_at: int | None = None  # the step after which synchronize() aligned the replicas
         self._health = Health(nonfinite_grads, divergence)
         self._layout_checked = False
         self._gradients_averaged = False
@@ -156,6 +169,70 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         for index in range(len(self.param_groups)):
             self._build_group_buckets(index)
         set_masks(self._buckets, momentum_masks or {}, self._MASKED)
+        self._momentum_masks = dict(momentum_masks or {})
+        self._trainable_at_build = self._trainable()
+
+    # ----------------------------------------------------------------- copies
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> OnebitOptimizer:
+        # The constructor's arguments, less the parameters: what a copy is built again from.
+        self = super().__new__(cls)
+        self._init_args = (args[1:], {k: v for k, v in kwargs.items() if k != "params"})
+        return self
+
+    def _copy_state(self) -> dict[str, Any]:
+        """What a copy is made of: the constructor's arguments, the param groups (their tensors
+        and hyperparameters), the state dict, this rank's compression errors and the bookkeeping
+        of a step; the transport and kernels are not copied but resolved again."""
+        args, kwargs = self._init_args
+        return {"args": args, "kwargs": kwargs, "param_groups": self.param_groups, "state_dict": build_state_dict(self),
+                "errors": [(w.clone(), s.clone()) for w, s in self.compression_errors()],
+                "layout": self.layout_digest(), "health": self._health, "gradients_averaged": self._gradients_averaged,
+                "compressed_steps": self._compressed_steps, "layout_checked": self._layout_checked}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OnebitOptimizer:
+        """A copy that shares nothing mutable with this optimizer (its parameters are the copies
+        made in the same ``deepcopy``, e.g. of ``(model, optimizer)``), and the same transport."""
+        state = self._copy_state()
+        kwargs = state.pop("kwargs")
+        shared = {k: kwargs[k] for k in ("backend", "group") if kwargs.get(k) is not None}
+        state = copy.deepcopy({**state, "kwargs": {k: v for k, v in kwargs.items() if k not in shared}}, memo)
+        state["kwargs"].update(shared)
+        new = type(self).__new__(type(self))
+        new.__setstate__(state)
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling: a transport object cannot travel; the copy resolves its transport again by
+        name (as torch's PowerSGD state does with its process group): a ``backend`` object by its
+        name, a ``group`` as the default group (logged)."""
+        state = self._copy_state()
+        kwargs = dict(state["kwargs"])
+        backend = kwargs.pop("backend", None)
+        if backend is not None:
+            kwargs["comm_backend_name"] = backend.name if getattr(backend, "name", None) in BACKEND_NAMES else None
+        if kwargs.pop("group", None) is not None:
+            logger.warning("onebit: pickling %s: its process group cannot be pickled; the copy will use the default "
+                           "group", type(self).__name__)
+        state["kwargs"] = kwargs
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._init_args = (state["args"], state["kwargs"])
+        type(self).__init__(self, state["param_groups"], *state["args"], **state["kwargs"])
+        same = state["layout"] == self.layout_digest()
+        self._copying = True
+        try:
+            self.restore(state["state_dict"], state["errors"] if same else None)
+        finally:
+            del self._copying
+        if not same:
+            logger.info("onebit: the copy of %s has another layout (world size?): compression errors reset",
+                        type(self).__name__)
+        self._health = state["health"]
+        self._gradients_averaged = state["gradients_averaged"]
+        self._compressed_steps = state["compressed_steps"]
+        self._layout_checked = state["layout_checked"] and same
 
     # ----------------------------------------------------------------- what a subclass provides
 
@@ -189,6 +266,19 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         """This rank skipped its update of a step that communicates nothing (non-finite local
         gradients) while the step counts: advance what must stay the same on every rank."""
 
+    def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
+        """Per parameter of ``bucket``, whether step of ``plan`` has work for it on this rank: it
+        has a gradient. Parameters with work on no rank are left alone, with their state, as in
+        torch.optim."""
+        return [p.grad is not None for p in bucket.params]
+
+    def _before_update(self, bucket: Bucket, t: int) -> None:
+        """Allocate what step ``t`` would allocate for ``bucket`` (called before some of its
+        parameters' values are held through the step, see :meth:`Bucket.hold`)."""
+
+    def _forget(self) -> None:
+        """Drop what the algorithm derived from the state (see :meth:`_invalidate`)."""
+
     def _dead(self, bucket: Bucket) -> torch.Tensor | None:
         """Coordinates (bool over the padded buffer) whose compressed value is forced to 0 from the
         first compressed step on, besides the masks and the padding; None for none."""
@@ -221,6 +311,14 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else params
         if not isinstance(params, (set, frozenset)):
             params = list(params)
+            named = [p for p in params if isinstance(p, tuple)]
+            if named:  # model.named_parameters(): the names are kept in the group (and its state dict), as torch does
+                if len(named) != len(params) or any(len(p) != 2 or not isinstance(p[0], str) for p in named):
+                    raise ValueError(
+                        "all parameters of a group must be given with names, as (name, tensor) pairs from "
+                        "model.named_parameters(), or all without")
+                param_group = {**param_group, "param_names": [name for name, _ in named]}
+                params = [p for _, p in named]
             check_params(params, type(self).__name__)
             param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
@@ -239,6 +337,71 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
             if bucket.device not in self._kernels:
                 self._kernels[bucket.device] = get_kernels(bucket.device, self._kernel_choice)
             self._buckets.append(bucket)
+
+    def _trainable(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for group in self.param_groups for p in group["params"])
+
+    def _rebuild_buckets(self) -> None:
+        """Parameters started or stopped requiring gradients (a layer unfrozen, or frozen): lay the
+        buckets out again over the trainable ones, as at construction, so that frozen parameters
+        cost no bytes. Every parameter keeps its state: in a bucket, or, once frozen, as tensors
+        of its own until it trains again; a newcomer starts from zeros. The compression errors
+        start afresh (their layout changed) and the ranks check the new layout at this step."""
+        saved = {p: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
+                 for p, entry in self.state.items() if isinstance(p, torch.Tensor)}
+        for bucket in self._buckets:
+            for p in bucket.params:
+                del self.state[p]
+        self._buckets = []
+        for index in range(len(self.param_groups)):
+            self._build_group_buckets(index)
+        owned = set(self._BUFFERS) | set(self._SCALARS)
+        for bucket in self._buckets:
+            for name in self._LAZY:
+                if any(name in saved.get(p, {}) for p in bucket.params):
+                    self._allocate(bucket, name)
+            newcomers = []
+            for i, p in enumerate(bucket.params):
+                entry = saved.pop(p, None)
+                if entry is None:
+                    newcomers.append(i)
+                    continue
+                for name, value in entry.items():
+                    if name not in owned:
+                        self.state[p][name] = value
+                    elif name in self.state[p]:
+                        self.state[p][name].copy_(value)
+            for i in newcomers:
+                self._adopt(bucket, i, newcomers)
+        for p, entry in saved.items():  # frozen now: their state waits for them
+            self.state[p] = entry
+        located = {id(p) for bucket in self._buckets for p in bucket.params}
+        set_masks(self._buckets, {p: m for p, m in self._momentum_masks.items() if id(p) in located}, self._MASKED)
+        self._invalidate()
+        self._layout_checked = False
+        self._trainable_at_build = self._trainable()
+        if self._backend.rank == 0:
+            logger.info("onebit: step %d: the trainable parameters changed (%d of %d now): buckets laid out again, "
+                        "compression errors reset", self._step + 1, sum(self._trainable_at_build),
+                        len(self._trainable_at_build))
+
+    def _adopt(self, bucket: Bucket, index: int, newcomers: list[int]) -> None:
+        """Parameter ``index`` of ``bucket`` joins the buckets without state (it did not require
+        gradients before; so did ``newcomers``): its state is zeros, and its scalars that every
+        parameter shares with the step (``_SHARED_SCALARS``) take those of a parameter that had
+        state."""
+        others = [i for i in range(len(bucket.params)) if i not in newcomers]
+        for name in self._SHARED_SCALARS:
+            if others:
+                bucket.scalars[name][index] = bucket.scalars[name][others[0]]
+
+    def _invalidate(self) -> None:
+        """The one path by which the state changes from outside a step (a load, a copy): every
+        value derived from it, the buckets' and the algorithm's, is dropped and rebuilt when
+        next needed."""
+        for bucket in self._buckets:
+            bucket.invalidate()
+        self._forget()
 
     def _allocate(self, bucket: Bucket, name: str) -> None:
         """Allocate the lazy buffer ``name`` of ``bucket`` (zeros) and enter it in the state."""
@@ -277,6 +440,39 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
     def step_count(self) -> int:
         """Number of ``step()`` calls applied (restored by ``load_state_dict``)."""
         return self._step
+
+    @property
+    def steps_taken(self) -> int:
+        """``step()`` calls on this object since it was built or last loaded (adapters must be
+        attached before the first)."""
+        return self._steps_taken
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Make every rank hold the same parameters and optimizer state now, and check that they do
+        (one all-gather of a digest of the parameters; a ``RuntimeError`` names the ranks that
+        differ). Needed by algorithms whose ranks differ between syncs (0/1 Adam: an exact float32
+        average of parameters and momenta now); for the others a check. Call it on every rank, e.g.
+        at the end of training, before rank 0 saves the model; the adapters call it at the end of
+        ``fit``/``train``."""
+        self._synchronize()
+        if self._backend.world_size == 1:
+            return
+        digest = hashlib.sha256()
+        for bucket in self._buckets:
+            for p in bucket.params:
+                digest.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        mine = torch.tensor(list(digest.digest()[:8]), dtype=torch.uint8, device=self._device())
+        everyone = torch.empty(self._backend.world_size, 8, dtype=torch.uint8, device=mine.device)
+        self._backend.inner.all_gather(everyone, mine)  # (outside any step: not in comm_stats())
+        differ = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+        if differ:
+            raise RuntimeError(
+                f"synchronize(): the parameters of ranks {differ} differ from rank 0's after step {self._step}; "
+                "something changed them outside the optimizer on some ranks (or the ranks built different models)")
+
+    def _synchronize(self) -> None:
+        """Align the replicas where the algorithm lets them differ (nothing to do by default)."""
 
     @property
     def backend(self) -> CommBackend:
@@ -354,6 +550,8 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._trainable() != self._trainable_at_build:
+            self._rebuild_buckets()
         check_grads(self._buckets, type(self).__name__)
         start = time.perf_counter()
         t = self._step + 1
@@ -362,6 +560,7 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         if not self._layout_checked:  # first step: ranks holding different models fail clearly
             check_layout(self._buckets, self._backend)
             self._layout_checked = True
+        self._steps_taken += 1
         applied = self._run(plan, t)
         rank = self._backend.rank
         self._health.count_skips(applied, t, plan.name, rank)
@@ -372,9 +571,6 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
 
     def _run(self, plan: StepPlan, t: int) -> bool:
         """Run step ``t`` over all buckets; return False when it was skipped for non-finite grads."""
-        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
-        found_inf = getattr(self, "found_inf", None)
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         compressed = [b for b in self._buckets if plan.compress and b.compression is not None]
         # Buckets that are not compressed all-reduce their gradients in full precision on every
         # step that communicates (a compress=False group; on every step at all with
@@ -382,51 +578,131 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         communicates = plan.average_gradients or plan.compress
         averaged = [b for b in self._buckets if b not in compressed
                     and (communicates or (self._AVERAGE_UNCOMPRESSED_ALWAYS and b.compression is None))]
+        reduced = [] if self._gradients_averaged and plan.average_gradients else averaged
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         with self._timed("gather_grads"):
             grads = [grads_of(b, b in averaged, inv_scale) for b in self._buckets]
-        # Ranks agree on finiteness before anything changes. Full-precision all-reduces carry a NaN
-        # or inf to every rank by themselves; a compressed step needs one scalar all-reduce. A step
-        # that communicates nothing needs none: a rank whose gradients are not finite leaves its own
-        # parameters and state as they are and the step still counts, so that every rank keeps the
-        # same plans; only nonfinite_grads='raise' (every rank raises) or gradients averaged on a
-        # local step make the ranks agree with the scalar all-reduce.
+        verdict, absent = self._agree(plan, t, grads, compressed, averaged, reduced)
+        if verdict is not None:
+            return verdict
+        if compressed and not all(b.derived.frozen_mask_ready for b in compressed):
+            kept = [build_keep_mask(b, self._dead(b)) for b in compressed]
+            self._on_compression(compressed, [keep for keep, _ in kept], t, sum(dead for _, dead in kept))
+        # Parameters without a gradient on any rank are left as they are, with their state (as in
+        # torch.optim): their values are put back after the bucket's update (see _present).
+        held = []
+        for bucket, indices in zip(self._buckets, absent):
+            if indices:
+                self._before_update(bucket, t)
+                held.append(bucket.hold(indices, self._SHARED_SCALARS))
+        self._update(t, grads, compressed, averaged)
+        for kept_still in held:
+            kept_still.restore_()
+        self._step = t
+        return True
+
+    def _agree(self, plan: StepPlan, t: int, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
+               averaged: list[Bucket], reduced: list[Bucket]) -> tuple[bool | None, list[list[int]]]:
+        """Before anything changes, let the ranks agree whether every gradient is finite and which
+        parameters have a gradient on no rank, and all-reduce the ``reduced`` buckets' gradients.
+
+        Returns ``(verdict, absent)``: ``verdict`` None to go on, else what :meth:`_run` returns
+        without updating; ``absent``, per bucket, the indices of its parameters to leave alone."""
+        # Full-precision all-reduces carry a NaN or inf, and the presence flags, to every rank by
+        # themselves. A compressed step needs one small all-reduce: the finiteness flag, the last
+        # health check's error ratio, and the count of gradients missing on each rank. A
+        # step that communicates nothing needs none: a rank whose gradients are not finite leaves
+        # its own parameters and state as they are and the step still counts, so that every rank
+        # keeps the same plans (presence is then the rank's own); only nonfinite_grads='raise'
+        # (every rank raises) or gradients averaged on a local step make the ranks agree with it.
+        found_inf = getattr(self, "found_inf", None)
         local_bad = found_inf is not None and bool(found_inf.item() > 0)
+        communicates = plan.average_gradients or plan.compress
         several = self._backend.world_size > 1
         alone = not communicates and not averaged and self._health.nonfinite_grads == "skip"
         counted = bool(compressed) or (not communicates and several and not alone)
+        present = {id(b): self._present(b, plan) for b in self._buckets}
         if counted:
             with self._timed("finite_check"):
                 local_bad = local_bad or not all_finite(grads)
-            # The same scalar all-reduce carries the last health check's error ratio, so that every
-            # rank agrees on it (and raises together, if asked to).
+            # The error ratio travels too, so that every rank agrees on it (and raises together).
             ratio = self._health.error_ratio
-            flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio], device=self._device())
+            # The flag counts the parameters without a gradient on this rank (on a step that
+            # communicates nothing for them, a rank leaves alone what it has no gradient for: no
+            # count). Only when some rank lacks one do the ranks exchange which, in a second small
+            # all-reduce: a step where every rank has every gradient sends 4 bytes more, no more.
+            flagged = [b for b in self._buckets if b not in reduced] if communicates else []
+            here = [float(has) for b in flagged for has in present[id(b)]]
+            flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio,
+                                 *([float(len(here) - sum(here))] if flagged else [])], device=self._device())
             self._backend.all_reduce_mean_(flag)
             bad_ranks = round(flag[0].item() * self._backend.world_size)
             if ratio is not None:
                 self._health.judge(float(flag[1].item()), t, self._backend.rank)
-        for bucket in averaged:
-            if not (self._gradients_averaged and plan.average_gradients):
-                self._backend.all_reduce_mean_(bucket.scratch("grad" if bucket.padded == bucket.numel else "wire"))
+            if flagged and flag[2].item() > 0:
+                anywhere = torch.tensor(here, device=self._device())
+                self._backend.all_reduce_mean_(anywhere)
+                agreed = (anywhere > 0).tolist()
+                for b in flagged:
+                    present[id(b)], agreed = agreed[:len(b.params)], agreed[len(b.params):]
+        local = self._before_double_check(reduced)
+        for bucket in reduced:
+            self._backend.all_reduce_mean_(bucket.wire())
+            present[id(bucket)] = (bucket.presence() > 0).tolist()
+        if local is not None:
+            self._double_check(local, reduced, t)
         if not counted:
             with self._timed("finite_check"):
                 bad_ranks = int(local_bad or not all_finite(grads))
+        absent = [[i for i, here in enumerate(present[id(b)]) if not here] for b in self._buckets]
         if bad_ranks and alone and several:
             self._health.skip_alone(t, plan.name, self._backend.rank)
             for bucket in self._buckets:
                 self._skipped_alone(bucket, self.param_groups[bucket.group_index], t)
             self._step = t
-            return True
+            return True, absent
         if bad_ranks:
             where = (f"on {bad_ranks} of {self._backend.world_size} ranks" if counted
                      else "in the averaged gradients" if communicates else "in the gradients")
-            return self._health.nonfinite(t, where, self._backend.rank)
-        if compressed and not all(b.frozen_mask_ready for b in compressed):
-            kept = [build_keep_mask(b, self._dead(b)) for b in compressed]
-            self._on_compression(compressed, [keep for keep, _ in kept], t, sum(dead for _, dead in kept))
-        # Compressed buckets are pipelined: each bucket's all-to-all and all-gather are in flight
-        # while the other buckets are compressed, recompressed and updated (same results as one
-        # bucket after the other; every rank starts the collectives in the same order).
+            return self._health.nonfinite(t, where, self._backend.rank), absent
+        return None, absent
+
+    def _before_double_check(self, reduced: list[Bucket]) -> list[torch.Tensor] | None:
+        """On the first DOUBLE_AVERAGE_CHECKS steps whose gradients this optimizer all-reduces on
+        several ranks: a copy of this rank's gradients before the all-reduce."""
+        if not reduced or self._backend.world_size == 1 or self._double_checks >= DOUBLE_AVERAGE_CHECKS:
+            return None
+        self._double_checks += 1
+        return [bucket.wire()[:bucket.numel].clone() for bucket in reduced]
+
+    def _double_check(self, local: list[torch.Tensor], reduced: list[Bucket], t: int) -> None:
+        """A framework that averages gradients itself (DDP, Lightning, Accelerate, the DeepSpeed
+        engine) hands every rank the same gradients: this optimizer's average of them is then what
+        each rank had already. Said (or raised, with ``divergence='raise'``) once. The condition is
+        the same on every rank: the averages are, and each rank's own gradients equal them only
+        when every rank's do."""
+        averaged = [bucket.wire()[:bucket.numel] for bucket in reduced]
+        if not any(bool(a.any()) for a in averaged):
+            return  # no gradient at all: nothing to tell
+        same = all(torch.allclose(x, a, rtol=1e-6, atol=0.0) for x, a in zip(local, averaged))
+        self._health.flag(
+            "double", same,
+            lambda: f"step {t}: the gradients were the same on all {self._backend.world_size} ranks before "
+            f"{type(self).__name__} averaged them: a framework averages them already (DDP, Lightning, Accelerate, "
+            "the DeepSpeed engine), so every warmup step averages them twice, and the compression steps still send "
+            "them in full precision. Call its onebit adapter after building the optimizer: "
+            "onebit.integrations.attach_ddp(ddp_model, optimizer), Trainer(callbacks=[OnebitCallback()]), "
+            "attach_accelerate(model, optimizer), attach_deepspeed(engine) or attach_trainer(trainer). (If every "
+            "rank really trains on the same data, ignore this: data parallelism then gains nothing.)",
+            self._backend.rank)
+
+    def _update(self, t: int, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
+                averaged: list[Bucket]) -> None:
+        """Update every bucket. Compressed buckets are pipelined: each bucket's all-to-all and
+        all-gather are in flight while the other buckets are compressed, recompressed and updated
+        (same results as one bucket after the other; every rank starts the collectives in the same
+        order)."""
         for bucket, bucket_grads in zip(self._buckets, grads):
             if bucket in compressed:
                 group = self.param_groups[bucket.group_index]
@@ -447,17 +723,15 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         measure = bool(compressed) and (self._compressed_steps + 1) % HEALTH_CHECK_INTERVAL == 0
         ratios = []
         for bucket in compressed:
-            finish_(bucket.compressed, bucket.compression, self._kernels_for(bucket), bucket.frozen_keep)
-            if bucket.frozen_keep is None and bucket.frozen_zeros is not None:
-                bucket.compressed.index_fill_(0, bucket.frozen_zeros, 0.0)
+            finish_(bucket.compressed, bucket.compression, self._kernels_for(bucket), bucket.derived.frozen_keep)
+            if bucket.derived.frozen_keep is None and bucket.derived.frozen_zeros is not None:
+                bucket.compressed.index_fill_(0, bucket.derived.frozen_zeros, 0.0)
             if measure:
                 ratios.append(_error_ratio(bucket))
             with self._timed("update"):
                 self._update_compressed(bucket, self.param_groups[bucket.group_index], t)
         if measure:
             self._health.error_ratio = max((r for r in ratios if r is not None), default=None)
-        self._step = t
-        return True
 
     def _device(self) -> torch.device:
         return self._buckets[0].device if self._buckets else torch.device("cpu")

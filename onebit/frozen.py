@@ -65,12 +65,12 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         """Per-parameter views of ``sqrt(v / bc2) + eps`` of the frozen variance, computed once per
         ``(eps, bc2)`` (and again after a load)."""
         key = (eps, bc2)
-        if bucket.denominator is None or bucket.denominator_key != key:
+        if bucket.derived.denominator is None or bucket.derived.denominator_key != key:
             v = bucket.buffers["exp_avg_sq"]
-            bucket.denominator = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
-            bucket.denominators = bucket.view(bucket.denominator)
-            bucket.denominator_key = key
-        return bucket.denominators
+            bucket.derived.denominator = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
+            bucket.derived.denominators = bucket.view(bucket.derived.denominator)
+            bucket.derived.denominator_key = key
+        return bucket.derived.denominators
 
     def _schedule_state(self) -> dict[str, Any]:
         return {"freeze_step": self.freeze_step}

@@ -5,7 +5,7 @@ onebit optimizer)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -87,14 +87,15 @@ class Health:
                   "is no longer tracking the momentum; the run may be diverging: lower the learning rate, raise "
                   "freeze_step, or try scale_block_size", rank)
 
-    def flag(self, kind: str, active: bool, message: str, rank: int) -> None:
+    def flag(self, kind: str, active: bool, message: str | Callable[[], str], rank: int) -> None:
         """A sign of a run going wrong (the engine's, or an algorithm's own): warn (or raise) once
-        per episode of ``active`` (a condition that is the same on every rank)."""
+        per episode of ``active`` (a condition that is the same on every rank). ``message`` may be
+        a function that builds it, called only then (the hot path formats nothing)."""
         if not active:
             self._warned.discard(kind)
         elif kind not in self._warned:
             self._warned.add(kind)
-            self._diverging(message, rank)
+            self._diverging(message if isinstance(message, str) else message(), rank)
 
     def _diverging(self, message: str, rank: int) -> None:
         """Warn on rank 0, or raise on every rank (the caller's condition is the same on all)."""

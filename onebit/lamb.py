@@ -165,9 +165,9 @@ class OnebitLamb(FrozenVarianceOptimizer):
         fresh.mul_(beta2).addcmul_(work, work, value=1 - beta2)
         self._frozen_denominator(bucket, eps)
         ratio = F.adam_denominator_(work, fresh, eps)
-        torch.div(bucket.denominator, ratio, out=ratio).mul_(bucket.scratch("live"))
-        max_ratio = torch.stack(torch._foreach_max(bucket.view(ratio)))
-        updates = bucket.view(torch.div(m, bucket.denominator, out=bucket.scratch("update")))
+        torch.div(bucket.derived.denominator, ratio, out=ratio).mul_(bucket.scratch("live"))
+        max_ratio = _maxima(bucket.view(ratio))
+        updates = bucket.view(torch.div(m, bucket.derived.denominator, out=bucket.scratch("update")))
         prelim_norms = update_norms = None
         if weight_decay != 0:
             prelim_norms = self._norms(updates)
@@ -181,7 +181,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         # BERT example's divergence with beta2 0.98 started so). Same value on every rank.
         ceiling = last >= self.factor_max
         self._health.flag(f"factor{id(bucket)}", bool(ceiling.any()),
-                          f"step {t}: 1-bit LAMB's factor reached factor_max={self.factor_max:g} for "
+                          lambda: f"step {t}: 1-bit LAMB's factor reached factor_max={self.factor_max:g} for "
                           f"{int(ceiling.sum())} tensor(s) of param group {bucket.group_index}; the fresh variance is "
                           "far below the frozen one and the run may be diverging: raise beta2 (e.g. 0.999), "
                           "lower factor_max or the learning rate", self._backend.rank)
@@ -210,3 +210,10 @@ class OnebitLamb(FrozenVarianceOptimizer):
             return
         for p, u in zip(bucket.params, updates):
             p.add_(u.to(p.dtype))
+
+
+def _maxima(views: list[torch.Tensor]) -> torch.Tensor:
+    """The maximum of each view (1 for an empty one, whose factor is then neutral)."""
+    if all(v.numel() for v in views):
+        return torch.stack(torch._foreach_max(views))
+    return torch.stack([v.max() if v.numel() else v.new_ones(()) for v in views])

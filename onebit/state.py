@@ -18,6 +18,7 @@ them per rank); masks belong to the model code and are given to the constructor.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Mapping
@@ -44,8 +45,9 @@ class LoadedState:
     """A validated state dict, ready to apply."""
     step: int
     schedule: dict[str, Any]
-    hyperparameters: list[dict[str, Any]]
-    entries: dict[int, dict[str, Any]]  # parameter index -> {name: tensor or float}
+    hyperparameters: list[dict[str, Any]]  # every key of each saved group but "params"
+    entries: dict[int, dict[str, Any]]  # parameter index -> {name: tensor or float, and other entries as saved}
+    others: dict[Any, Any]  # state entries under keys that are not parameter indices
 
 
 def build_state_dict(opt: OnebitOptimizer) -> dict[str, Any]:
@@ -59,10 +61,15 @@ def build_state_dict(opt: OnebitOptimizer) -> dict[str, Any]:
         saved = {k: (tuple(v) if k == "betas" else v) for k, v in group.items() if k != "params"}
         saved["params"] = ids
         groups.append(saved)
-    state = {}
-    for p, entry in opt.state.items():
-        state[index_of[id(p)]] = {
-            name: (value.clone() if name in opt._BUFFERS else float(value)) for name, value in entry.items()
+    owned = set(opt._BUFFERS) | set(opt._SCALARS)
+    state: dict[Any, Any] = {}
+    for key, entry in opt.state.items():
+        if not isinstance(key, torch.Tensor) or id(key) not in index_of:
+            state[key] = entry  # an entry a tool keeps under a key of its own: as torch does, kept as it is
+            continue
+        state[index_of[id(key)]] = {
+            name: (value.clone() if name in opt._BUFFERS else float(value)) if name in owned else value
+            for name, value in entry.items()
         }
     meta = {"format_version": FORMAT_VERSION, "algorithm": type(opt).__name__, "step": opt.step_count,
             **opt._schedule_state()}
@@ -121,7 +128,7 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
         if saved.get("compress", True) != live["compress"]:
             _fail(f"param group {g} has compress={saved.get('compress')!r} in the checkpoint and "
                   f"compress={live['compress']!r} here; build the optimizer with the same groups")
-        hyper = {k: saved[k] for k in opt._GROUP_KEYS}
+        hyper = {k: v for k, v in saved.items() if k != "params"}  # a scheduler's initial_lr too, as torch keeps it
         hyper["betas"] = tuple(hyper["betas"]) if isinstance(hyper["betas"], (list, tuple)) else hyper["betas"]
         try:
             opt._check_group({**hyper, "compress": live["compress"]})
@@ -139,13 +146,14 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
         if p not in opt.state:
             continue  # not trainable here (requires_grad=False): nothing to restore
         entries[index] = _validate_entry(opt, index, p, state.get(index))
+    others = {key: value for key, value in state.items() if key not in params_by_index}
     index_of = {id(p): index for index, p in params_by_index.items()}
     for bucket in opt._buckets:  # a bucket's lazy buffers exist for all its parameters or none
         present = {frozenset(n for n in opt._LAZY if n in entries.get(index_of[id(p)], {})) for p in bucket.params}
         if len(present) > 1:
             _fail(f"some parameters of one bucket have {'/'.join(opt._LAZY)} and others do not; the checkpoint "
                   "is corrupt")
-    return LoadedState(step, schedule, hypers, entries)
+    return LoadedState(step, schedule, hypers, entries, others)
 
 
 def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: Any) -> dict[str, Any]:
@@ -171,7 +179,8 @@ def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: An
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             _fail(f"{name} of parameter {index} must be a finite number, got {value!r}")
-    return {name: entry[name] for name in names}
+    owned = set(opt._BUFFERS) | set(opt._SCALARS)
+    return {**{name: entry[name] for name in names}, **{k: v for k, v in entry.items() if k not in owned}}
 
 
 def check_compression_errors(opt: OnebitOptimizer, errors: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
@@ -197,16 +206,26 @@ def apply_state(opt: OnebitOptimizer, loaded: LoadedState) -> None:
                 opt._allocate(bucket, name)
             else:
                 opt._release(bucket, name)
+    owned = set(opt._BUFFERS) | set(opt._SCALARS)
     index = 0
     for group, hyper in zip(opt.param_groups, loaded.hyperparameters):
         for p in group["params"]:
+            if p in opt.state:  # as torch: the state is what was saved, entries of other tools included
+                for name in [name for name in opt.state[p] if name not in owned]:
+                    del opt.state[p][name]
             for name, value in loaded.entries.get(index, {}).items():
-                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                if name in opt._BUFFERS:
                     opt.state[p][name].copy_(value)
-                else:  # a per-parameter scalar (a float, or a 0-d tensor): float64 state, no rounding
+                elif name in owned:  # a per-parameter scalar (a float, or a 0-d tensor): float64 state, no rounding
                     opt.state[p][name].fill_(float(value))
+                else:
+                    opt.state[p][name] = copy.deepcopy(value)
             index += 1
         group.update(hyper)
+    for key in [key for key in opt.state if not isinstance(key, torch.Tensor)]:
+        del opt.state[key]
+    for key, value in loaded.others.items():
+        opt.state[key] = copy.deepcopy(value)
 
 
 class StateDictContract:
@@ -266,17 +285,18 @@ class StateDictContract:
         apply_state(self, loaded)
         self._apply_schedule(loaded.schedule)
         self._step = loaded.step
+        self._steps_taken = 0
+        self._synced_at = None
         self._health.reset()
         for bucket in self._buckets:
             if bucket.mask is not None:
                 bucket.buffers[self._MASKED].mul_(bucket.mask)
-            bucket.frozen_zeros = bucket.frozen_keep = bucket.denominator = None
-            bucket.frozen_mask_ready = False
+        self._invalidate()
         self.reset_compression_errors()
         for (worker, server), (w, s) in zip(self.compression_errors(), compression_errors or []):
             worker.copy_(w)
             server.copy_(s)
-        if self._backend.rank == 0:
+        if self._backend.rank == 0 and not getattr(self, "_copying", False):
             logger.info("onebit: loaded optimizer state at step %d (next: a %s step); compression errors %s",
                         self._step, self.phase, "restored (exact resume)" if compression_errors is not None else "reset")
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

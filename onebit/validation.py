@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_number", "check_int", "check_flag", "check_params", "check_common_group", "check_engine_options"]
+__all__ = ["check_number", "check_int", "check_flag", "check_params", "check_common_group", "check_engine_options",
+           "refuse", "refuse_unknown", "TORCH_FLAGS"]
 
 
 def check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
@@ -98,3 +99,23 @@ def refuse(owner: str, options: Mapping[str, Any], refused: Mapping[str, str]) -
     for key, why in refused.items():
         if key in options:
             raise TypeError(f"{owner} does not take {key}={options[key]!r}: {why}; remove it")
+
+
+# torch.optim flags that onebit's optimizers do not take, and why.
+TORCH_FLAGS = {
+    "maximize": "onebit minimizes; negate the loss to maximize it",
+    "foreach": "onebit always updates its flat buckets with multi-tensor (foreach) operations",
+    "fused": "onebit's update is already fused over flat buckets (choose the codec with kernels=)",
+    "differentiable": "a step through 1-bit compression and collectives cannot be differentiated",
+    "capturable": "CUDA graph capture is not supported: every rank agrees on finite gradients through "
+                  "the host before a step changes anything",
+}
+
+
+def refuse_unknown(owner: str, options: Mapping[str, Any]) -> None:
+    """Raise TypeError for keyword arguments no onebit optimizer takes: torch.optim's flags with
+    the reason, anything else as unexpected."""
+    for key, value in options.items():
+        if key in TORCH_FLAGS:
+            raise TypeError(f"{owner} does not take torch.optim's {key}={value!r}: {TORCH_FLAGS[key]}; remove it")
+        raise TypeError(f"{owner} got an unexpected keyword argument {key!r}")

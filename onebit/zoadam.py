@@ -142,6 +142,7 @@ class ZeroOneAdam(OnebitOptimizer):
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
     _SCALARS: ClassVar[dict[str, float]] = {"lr_sum": 0.0}
     _AVERAGE_UNCOMPRESSED_ALWAYS: ClassVar[bool] = True
+    _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ("lr_sum",)  # a sync divides by it: the same on every rank
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
     _SCHEDULE: ClassVar[tuple[str, ...]] = ("var_freeze_step", "var_update_scaler", "local_step_scaler",
                                             "local_step_clipper")
@@ -187,7 +188,31 @@ class ZeroOneAdam(OnebitOptimizer):
 
     @property
     def replicas_identical(self) -> bool:
+        if self._synced_at == self._step:
+            return True
         return self.plan_for(self._step) is not LOCAL if self._step > self.var_freeze_step else True
+
+    def _synchronize(self) -> None:
+        """Between syncs: the exact float32 mean over ranks of the parameters and momenta; the mean
+        becomes the sync point, the accumulators start from 0 (so the next sync moves from it)."""
+        if self.replicas_identical:
+            return
+        for bucket in self._buckets:
+            if "sync_point" not in bucket.buffers:
+                continue
+            theta = bucket.buffers["sync_point"]
+            for view, p in zip(bucket.views["sync_point"], bucket.params):
+                view.copy_(p)
+            self._backend.inner.all_reduce_mean_(theta)  # (outside any step: not in comm_stats())
+            self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg"])
+            for p, view in zip(bucket.params, bucket.views["sync_point"]):
+                p.copy_(view)
+            bucket.buffers["momentum_accumulator"].zero_()
+            bucket.scalars["lr_sum"].zero_()
+        self._synced_at = self._step
+        if self._backend.rank == 0:
+            logger.info("onebit: synchronize() after step %d: parameters and momenta averaged over %d ranks",
+                        self._step, self._backend.world_size)
 
     def _bias(self, group: dict[str, Any], t: int) -> tuple[float, float]:
         """``(1 - beta1**t, 1 - beta2**k)`` with ``k`` the variance steps so far, or ``(1, 1)``."""
@@ -219,11 +244,33 @@ class ZeroOneAdam(OnebitOptimizer):
         # ones; the keep mask is rebuilt only if a coordinate with a zero variance got one.
         bc1, bc2 = self._bias(group, t)
         adam_step_(bucket, group, bc1, bc2, denominator=self._denominator_buffer(bucket))
-        bucket.denominator_key = ("fresh", group["eps"], bc2)  # sqrt(v / bc2) + eps, still to be marked
+        bucket.derived.denominator_key = ("fresh", group["eps"], bc2)  # sqrt(v / bc2) + eps, still to be marked
         known = self._zero_variance.get(id(bucket))
         if known != 0 and (known is None or known != int(torch.count_nonzero(bucket.buffers["exp_avg_sq"] == 0))
                            - (bucket.padded - bucket.numel)):  # they only become fewer: the same count, the same set
-            bucket.frozen_mask_ready = False
+            bucket.derived.frozen_mask_ready = False
+
+    def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
+        # A sync also has work for a tensor that moved on some rank since the last one (its
+        # accumulator is not 0): the sync re-aligns it, gradient or not (its local update then
+        # counts a zero gradient). One that did not move and has no gradient stays as it is.
+        present = super()._present(bucket, plan)
+        if plan is SYNC and not all(present) and "momentum_accumulator" in bucket.buffers:
+            accumulators = bucket.views["momentum_accumulator"]
+            present = [here or bool(accumulators[i].any()) for i, here in enumerate(present)]
+        return present
+
+    def _before_update(self, bucket: Bucket, t: int) -> None:
+        if t > self.var_freeze_step and bucket.compression is not None and "sync_point" not in bucket.buffers:
+            self._enter_phase_two(bucket)
+
+    def _adopt(self, bucket: Bucket, index: int, newcomers: list[int]) -> None:
+        super()._adopt(bucket, index, newcomers)
+        if "sync_point" in bucket.buffers:  # it has not moved since the last sync: it is its own sync point
+            bucket.views["sync_point"][index].copy_(bucket.params[index])
+
+    def _forget(self) -> None:
+        self._zero_variance.clear()
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
         dead = bucket.buffers["exp_avg_sq"] == 0
@@ -248,15 +295,20 @@ class ZeroOneAdam(OnebitOptimizer):
         if t <= self.var_freeze_step:
             m.lerp_(averaged, 1 - group["betas"][0])
             self._denominator(bucket, group, t)
-            descend_(bucket, bucket.views["exp_avg"], bucket.denominators, group["lr"], group["weight_decay"], bc1)
+            descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, group["lr"], group["weight_decay"], bc1)
             return
         # A sync: every input below is the same on every rank, so are the parameters after it.
         lr_sum = bucket.scalars["lr_sum"]
-        total = float(lr_sum[0])
-        if total > 0:  # (with bias correction, back to the uncorrected momentum)
-            torch.div(averaged, -total / bc1, out=m)
-        else:  # the learning rate was 0 since the last sync: nothing moved, start the momentum afresh
-            m.zero_()
+        totals = lr_sum.tolist()
+        if totals[0] > 0 and totals.count(totals[0]) == len(totals):  # (the usual case: one pass)
+            torch.div(averaged, -totals[0] / bc1, out=m)  # (with bias correction, the uncorrected momentum)
+        else:  # per tensor: a tensor left alone on some steps (no gradient) has summed fewer rates
+            for total, m_view, u_view in zip(totals, bucket.views["exp_avg"], bucket.view(averaged)):
+                if total > 0:
+                    torch.div(u_view, -total / bc1, out=m_view)
+                else:  # the learning rate was 0 since the last sync: nothing moves; the momentum starts afresh
+                    m_view.zero_()
+                    u_view.zero_()
         theta = bucket.buffers["sync_point"]
         theta.addcdiv_(averaged, self._denominator(bucket, group, t))
         if bucket.same_dtype:
@@ -289,8 +341,8 @@ class ZeroOneAdam(OnebitOptimizer):
         if weight_decay != 0:
             torch._foreach_add_(u, [p.float() for p in bucket.params] if not bucket.same_dtype else bucket.params,
                                 alpha=-lr * weight_decay)
-        torch._foreach_addcdiv_(u, bucket.views["exp_avg"], bucket.denominators, value=-lr / bc1)
-        descend_(bucket, bucket.views["exp_avg"], bucket.denominators, lr, weight_decay, bc1)
+        torch._foreach_addcdiv_(u, bucket.views["exp_avg"], bucket.derived.denominators, value=-lr / bc1)
+        descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, lr, weight_decay, bc1)
         bucket.scalars["lr_sum"].add_(lr)
 
     def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
@@ -318,25 +370,25 @@ class ZeroOneAdam(OnebitOptimizer):
                         self._step + 1)
 
     def _denominator_buffer(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.denominator is None:
-            bucket.denominator = torch.empty_like(bucket.buffers["exp_avg_sq"])
-        return bucket.denominator
+        if bucket.derived.denominator is None:
+            bucket.derived.denominator = torch.empty_like(bucket.buffers["exp_avg_sq"])
+        return bucket.derived.denominator
 
     def _denominator(self, bucket: Bucket, group: dict[str, Any], t: int) -> torch.Tensor:
         """The flat ``sqrt(v / bc2) + eps`` (computed again when ``v`` changes or after a load), with
-        its views in ``bucket.denominators``. It is ``+inf`` where the momentum must not move the
+        its views in ``bucket.derived.denominators``. It is ``+inf`` where the momentum must not move the
         parameters (masked coordinates, and zero-variance ones, whose 1-bit average cannot be 0):
         their updates ``m / denominator`` are 0 on every step, local ones too, at no cost per step."""
         key = (group["eps"], self._bias(group, t)[1])
-        if bucket.denominator_key != key or bucket.denominator is None:
+        if bucket.derived.denominator_key != key or bucket.derived.denominator is None:
             v = bucket.buffers["exp_avg_sq"]
             denominator = self._denominator_buffer(bucket)
-            if bucket.denominator_key != ("fresh", *key):
+            if bucket.derived.denominator_key != ("fresh", *key):
                 F.adam_denominator_(denominator, v, *key)
             still = v == 0
             if bucket.mask is not None:
                 still |= bucket.mask == 0
             denominator.masked_fill_(still, float("inf"))
-            bucket.denominators = bucket.view(denominator)
-            bucket.denominator_key = key
-        return bucket.denominator
+            bucket.derived.denominators = bucket.view(denominator)
+            bucket.derived.denominator_key = key
+        return bucket.derived.denominator

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import all_equal, seeded_params, tiny_mlp
 from distributed import one_thread, run_ranks
 from onebit import OnebitAdam, OnebitLamb, load_checkpoint, save_checkpoint
 from onebit.integrations import attach_ddp
@@ -32,8 +33,7 @@ class Net(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        self.body = tiny_mlp(6, 8, 3)
         with torch.no_grad():
             self.body[2].bias.zero_()
         self.extra = torch.nn.Parameter(torch.randn(5))
@@ -110,10 +110,9 @@ def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None
         net = Net()
         params = list(net.parameters())
         masks = [None if mk is None else mk != 0 for mk in _masks(net)]
-        numels = [p.numel() for p in params]
         st = [dict(m=torch.zeros_like(p), v=torch.zeros_like(p), fresh=torch.zeros_like(p), coeff=0.0, last=1.0)
               for p in params]
-        errors = (None, None)
+        errors = [(None, None)] * len(params)
         snapshots = []
         for t in range(1, steps + 1):
             grads = []  # grads[r][i]: rank r's gradient of tensor i (None: no gradient)
@@ -121,8 +120,11 @@ def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None
                 _set_grads(net, r, t)  # the data does not depend on the oracle's freeze_step
                 grads.append([None if p.grad is None else p.grad.clone() for p in params])
             with torch.no_grad():
+                absent = [all(g[i] is None for g in grads) for i in range(len(params))]
                 if t <= freeze_step:
                     for i, (p, s) in enumerate(zip(params, st)):
+                        if absent[i]:
+                            continue  # no gradient on any rank: as in torch.optim, the tensor and its state stay
                         local = [torch.zeros_like(p) if g[i] is None else g[i] for g in grads]
                         g = local[0]
                         for other in local[1:]:
@@ -142,19 +144,18 @@ def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None
                         p.sub_(u * (lr * c))
                 else:
                     prev = [s["m"] for s in st]
-                    local = []  # each rank's momentum, updated with its local gradient
-                    for r in range(n):
-                        local.append(torch.cat([
-                            (s["m"] * b1 if grads[r][i] is None else torch.lerp(s["m"], grads[r][i], 1 - b1)).reshape(-1)
-                            for i, s in enumerate(st)]))
-                    sim = simulate_compressed_allreduce(local, *errors, numels=numels)
-                    errors = (sim.worker_errors, sim.server_errors)
-                    averaged = sim.output.split(numels)
                     for i, (p, s) in enumerate(zip(params, st)):
+                        if absent[i]:
+                            continue
+                        # Each tensor is compressed as if alone (its own scales), so tensor by tensor.
+                        local = [(s["m"] * b1 if g[i] is None else torch.lerp(s["m"], g[i], 1 - b1)).reshape(-1)
+                                 for g in grads]
+                        sim = simulate_compressed_allreduce(local, *errors[i])
+                        errors[i] = (sim.worker_errors, sim.server_errors)
                         keep = s["v"] != 0
                         if masks[i] is not None:
                             keep &= masks[i]
-                        m = torch.where(keep, averaged[i].view_as(p), 0.0)
+                        m = torch.where(keep, sim.output.view_as(p), 0.0)
                         s["m"] = m
                         g_rec = (m - b1 * prev[i]) / (1 - b1)
                         s["fresh"] = torch.addcmul(s["fresh"] * b2, g_rec, g_rec, value=1 - b2)
@@ -171,10 +172,6 @@ def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None
 
 def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b)) / max(y.abs().max().item() for y in b)
-
-
-def _identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 # ----------------------------------------------------------------------------- 1. against the oracle
@@ -208,8 +205,8 @@ def _check_against_oracle(results, n):
     expected, final = oracle(n, STEPS)
     for t in range(STEPS):
         for rank in range(n):  # bit-identical on every rank, with no broadcast
-            assert _identical(results[rank]["snapshots"][t], results[0]["snapshots"][t]), (rank, t + 1)
-        assert _identical(results[0]["snapshots"][t], expected[t]), \
+            assert all_equal(results[rank]["snapshots"][t], results[0]["snapshots"][t]), (rank, t + 1)
+        assert all_equal(results[0]["snapshots"][t], expected[t]), \
             f"step {t + 1}: max|Δ|/max|p| = {_relative(results[0]['snapshots'][t], expected[t]):.3g}"
     assert results[0]["phases"] == ["warmup"] * FREEZE + ["compression"] * (STEPS - FREEZE)
     for state, ref in zip(results[0]["state"], final):
@@ -240,8 +237,7 @@ DDP_STEPS = 7
 
 
 def _ddp_run(rank: int, use_ddp: bool) -> dict:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = tiny_mlp(6, 8, 3)
     with torch.no_grad():
         model[2].bias.zero_()
     opt = OnebitLamb(model.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=WD, comm_backend_name="gloo", **LAMB)
@@ -274,10 +270,12 @@ def two_ranks(tmp_path_factory):
     return path, run_ranks(_two_rank_session, 2, tmp, str(path))
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_match_the_oracle(two_ranks):
     _check_against_oracle([r["train"] for r in two_ranks[1]], 2)
 
 
+@pytest.mark.slow
 def test_three_gloo_ranks_match_the_oracle(tmp_path):
     _check_against_oracle(run_ranks(_train_rank, 3, tmp_path, "gloo", STEPS), 3)
 
@@ -379,8 +377,7 @@ def test_freeze_step_1_copies_the_variance_and_the_factor_starts_near_1():
 def test_masked_row_does_not_pin_the_factor():
     """A masked coordinate's fresh variance only decays (its reconstructed gradient is 0), so its
     ratio sqrt(v) / sqrt(v_fresh) grows as beta2^(-k/2): counted, it would set the factor."""
-    torch.manual_seed(2)
-    w = torch.nn.Parameter(torch.randn(4, 6))
+    [w] = seeded_params((4, 6), seed=2)
     mask = torch.ones(4, 6)
     mask[3] = 0
     hp = dict(factor_min=0.5, factor_max=4.0, factor_threshold=10.0)
@@ -473,7 +470,7 @@ def test_state_dict_round_trip(steps, phase):
         for n_, o_ in ((net, opt), (net2, opt2)):
             _set_grads(n_, 0, t)
             o_.step()
-        assert _identical(list(net.parameters()), list(net2.parameters())), t
+        assert all_equal(list(net.parameters()), list(net2.parameters())), t
 
 
 def test_the_other_algorithm_s_state_dict_is_refused():
@@ -505,19 +502,21 @@ def _resume_rank(rank, world_size, path):
     return out
 
 
+@pytest.mark.slow
 def test_exact_resume_on_two_ranks_continues_bit_for_bit(two_ranks, tmp_path):
     path, results = two_ranks
     resumed = run_ranks(_resume_rank, 2, tmp_path, str(path))
     for rank in range(2):
         straight = results[rank]["train"]["snapshots"][SAVE_AT:]
-        assert all(_identical(a, b) for a, b in zip(resumed[rank]["exact"], straight))
+        assert all(all_equal(a, b) for a, b in zip(resumed[rank]["exact"], straight))
         # Without the rank files the errors are reset: another (valid) trajectory.
-        assert not _identical(resumed[rank]["reset"][-1], straight[-1])
+        assert not all_equal(resumed[rank]["reset"][-1], straight[-1])
 
 
 # ----------------------------------------------------------------------------- 5. attach_ddp
 
 
+@pytest.mark.slow
 def test_attach_ddp_trains_through_both_phases_like_plain_onebit(two_ranks):
     results = two_ranks[1]
     phases = ["warmup"] * FREEZE + ["compression"] * (DDP_STEPS - FREEZE)
@@ -525,7 +524,7 @@ def test_attach_ddp_trains_through_both_phases_like_plain_onebit(two_ranks):
         plain, ddp = results[rank]["plain"], results[rank]["ddp"]
         assert ddp["phases"] == plain["phases"] == phases
         assert ddp["synced"] == [phase == "warmup" for phase in phases]  # DDP syncs on warmup steps only
-        assert _identical(ddp["snapshots"][-1], results[0]["ddp"]["snapshots"][-1])
+        assert all_equal(ddp["snapshots"][-1], results[0]["ddp"]["snapshots"][-1])
         for a, b in zip(ddp["snapshots"], plain["snapshots"]):
             # DDP divides each gradient by 2 before summing, onebit sums then divides: both exact
             # for 2 ranks, so this is measured 0.0; float tolerance nonetheless.
@@ -538,8 +537,7 @@ def test_attach_ddp_trains_through_both_phases_like_plain_onebit(two_ranks):
 def test_a_factor_at_its_ceiling_is_reported_and_warned_about_once(caplog):
     # A fresh variance far below the frozen one: large warmup gradients, then tiny ones, and a beta2
     # that lets the fresh variance follow them within a few steps.
-    torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(64))
+    [p] = seeded_params(64)
     opt = OnebitLamb([p], lr=1e-3, freeze_step=2, betas=(0.9, 0.5), factor_max=1.5, factor_threshold=0.5,
                      comm_backend_name="local")
     assert opt.comm_stats()["max_factor"] == 1.0

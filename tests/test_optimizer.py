@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import onebit
+from conftest import clone_params
 from onebit import OnebitAdam
 
 
@@ -42,10 +43,6 @@ def _train(model, opt, steps: int, start: int = 0) -> list[float]:
         opt.step()
         losses.append(loss.item())
     return losses
-
-
-def _params(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 class DeepSpeedAdam:
@@ -99,17 +96,17 @@ def test_bias_correction_changes_the_update():
         model = _model()
         _train(model, OnebitAdam(model.parameters(), lr=1e-2, freeze_step=5, bias_correction=flag,
                                  comm_backend_name="local"), 3)
-        runs.append(_params(model))
+        runs.append(clone_params(model.parameters()))
     assert not all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_every_step_updates_including_the_first():
     model = _model()
-    before = _params(model)
+    before = clone_params(model.parameters())
     opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1, comm_backend_name="local")
     _train(model, opt, 1)
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    before = _params(model)
+    before = clone_params(model.parameters())
     assert opt.phase == "compression"
     _train(model, opt, 1, start=1)
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -488,7 +485,7 @@ def test_zero_variance_coordinates_do_not_explode_after_the_freeze(caplog, dead)
                 g[:dead] = 0.0
             p.grad = g
             opt.step()
-    assert (opt._buckets[0].frozen_keep is not None) == (dead == 64)  # both representations ran
+    assert (opt._buckets[0].derived.frozen_keep is not None) == (dead == 64)  # both representations ran
     assert torch.equal(p.detach()[:dead], torch.ones(dead))
     assert torch.all(opt.state[p]["exp_avg"][:dead] == 0)
     # The others moved by lr * m / sqrt(v) per step: large where v is small, but nothing like the
@@ -511,7 +508,7 @@ def test_momentum_mask_in_compression_keeps_masked_coordinates_at_zero(zeros):
         opt.step()
         assert torch.all(opt.state[p]["exp_avg"][mask == 0] == 0)
         assert torch.equal(p.detach()[mask == 0], torch.ones(zeros))
-    assert (opt._buckets[0].frozen_keep is not None) == (zeros == 400)
+    assert (opt._buckets[0].derived.frozen_keep is not None) == (zeros == 400)
     assert torch.all(opt._buckets[0].buffers["exp_avg"][4000:] == 0)  # the padding stays 0 too
     assert torch.all(p.detach()[mask == 1] != 1)
 
@@ -537,7 +534,7 @@ def test_compression_reads_gradients_in_place_exactly_as_an_unscaled_copy():
                 scaler.step(opt)
                 scaler.update()
         assert opt.phase == "compression" and opt.step_count == 6
-        results.append(_params(model))
+        results.append(clone_params(model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 

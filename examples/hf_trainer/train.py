@@ -75,6 +75,7 @@ def main() -> None:
                        "sizes": [p.numel() for p in model.parameters()], "stats": stats,
                        "train_loss": trainer.state.log_history[-1].get("train_loss")}, f)
     if dist.is_initialized():
+        dist.barrier()  # every rank done with its collectives before any rank tears the group down
         dist.destroy_process_group()
 
 

@@ -88,7 +88,14 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
 def follow_plan(optimizer: OnebitOptimizer, apply: Any) -> None:
     """Tell ``optimizer`` that the framework averages the gradients on the steps whose plan
     averages them, and call ``apply(average)`` with whether the next step's plan does: now, after
-    every ``step()`` and after every ``load_state_dict`` (the framework's switch follows the plan)."""
+    every ``step()`` and after every ``load_state_dict`` (the framework's switch follows the plan).
+    Raises ``RuntimeError`` once the optimizer has stepped since it was built or loaded: the
+    framework averaged those steps' gradients and the optimizer averaged them again."""
+    if optimizer.steps_taken:
+        raise RuntimeError(
+            f"the onebit adapter was attached after {optimizer.steps_taken} step() call(s) of {type(optimizer).__name__}: "
+            "the gradients of those steps were averaged by the framework and again by the optimizer. Attach it "
+            "right after building the optimizer (or after loading its state), before the first step")
     optimizer.set_gradients_averaged(True)
 
     def when_planned(*_: Any) -> None:

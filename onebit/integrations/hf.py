@@ -46,4 +46,9 @@ def attach_trainer(trainer: Any) -> None:
                 self.attached = True
             return control
 
+        def on_train_end(self, args, state, control, **kwargs):
+            # The ranks of an algorithm with local steps may differ now; the Trainer saves rank 0's weights.
+            unwrap_optimizer(trainer.optimizer).synchronize()
+            return control
+
     trainer.add_callback(OnebitDDPCallback())

@@ -217,5 +217,9 @@ class OnebitCallback(Callback):
                         optimizer.step_count,
                         " and its own parameters and optimizer state (saved between syncs)" if "model" in mine else "")
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # The ranks of an algorithm with local steps may differ now; Lightning saves rank 0's weights.
+        _onebit_optimizer(trainer.optimizers).synchronize()
+
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._loaded = None  # loaded by validate/test(ckpt_path=...), or a fit that ended before training: unused

@@ -1,0 +1,349 @@
+"""torch.optim's conventions, for every optimizer of the family (issue 24).
+
+Parametrized over :data:`OPTIMIZERS`, in the manner of torch's ``TestOptimRenewed`` over its
+``OptimizerInfo``s: an algorithm added to the list gets every check. Each case takes short
+schedules, so that a few steps run through every plan the algorithm has (1-bit Adam and LAMB:
+warmup, compression; 0/1 Adam: variance, compressed_gradient, local, sync), on one process (the
+``local`` transport runs the whole compressed all-reduce with its error feedback).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import all_equal, clone_params
+from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from onebit.validation import TORCH_FLAGS
+
+
+@dataclass
+class Case:
+    cls: type
+    schedule: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return self.cls.__name__
+
+    def make(self, params, lr: float = 1e-2, **kwargs):
+        return self.cls(params, lr=lr, comm_backend_name="local", **{**self.schedule, **self.extra, **kwargs})
+
+
+OPTIMIZERS = [
+    Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01)),
+    Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01)),
+    # variance 1-2, compressed_gradient 3, variance 4, then local / sync steps from step 6 (interval 2)
+    Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
+         dict(weight_decay=0.01)),
+]
+STEPS = 12
+
+
+@pytest.fixture(params=OPTIMIZERS, ids=repr)
+def case(request) -> Case:
+    return request.param
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _grads(model: torch.nn.Module, t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    model.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def _state_copy(opt, p) -> dict[str, Any]:
+    """The state of ``p``, less the scalars that advance with the step on every rank whatever the
+    gradients (0/1 Adam's sum of learning rates since the last sync)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()
+            if k not in opt._SHARED_SCALARS}
+
+
+def _same_state(after: dict[str, Any], before: dict[str, Any]) -> bool:
+    """Every entry of ``before`` unchanged in ``after`` (which may hold the buffers of a phase that
+    began, e.g. 0/1 Adam's accumulator)."""
+    return before.keys() <= after.keys() and all(
+        torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in before.items())
+
+
+def test_the_schedules_run_through_every_plan(case):
+    opt = case.make(_model().parameters())
+    assert {opt.plan_for(t).name for t in range(1, STEPS + 1)} == set(case.cls.PLAN_NAMES)
+
+
+# ----------------------------------------------------------------------------- gradients that are None
+
+
+def test_a_parameter_without_gradient_is_left_alone_with_its_state(case):
+    """A layer frozen after step 1 (its gradients None) stays put, parameter and state, on every
+    plan, as in torch.optim; the other layer trains exactly as it would alone (each tensor has its
+    own compression scales, so nothing of the frozen one leaks into it)."""
+    model = _model()
+    frozen, live = list(model[0].parameters()), list(model[2].parameters())
+    opt = case.make(model.parameters())
+    alone_model = _model()
+    alone = case.make(alone_model[2].parameters())
+    plans = set()
+    for t in range(1, STEPS + 1):
+        _grads(model, t)
+        _grads(alone_model, t)
+        if t > 1:
+            for p in frozen:
+                p.grad = None
+            before = clone_params(frozen), [_state_copy(opt, p) for p in frozen]
+        plans.add(opt.next_plan.name)
+        opt.step()
+        alone.step()
+        if t == 1:  # from now on both models have the same (frozen) first layer
+            alone_model[0].load_state_dict(model[0].state_dict())
+        if t > 1:
+            assert all_equal(clone_params(frozen), before[0]), (t, opt.plan_for(t).name)
+            assert all(_same_state(_state_copy(opt, p), s) for p, s in zip(frozen, before[1])), t
+        assert all_equal(clone_params(live), clone_params(alone_model[2].parameters())), t
+    assert plans == set(case.cls.PLAN_NAMES)
+    assert opt.state[frozen[0]]["exp_avg"].abs().sum() > 0  # it had state to keep
+
+
+def test_a_step_without_any_gradient_moves_nothing(case):
+    model = _model()
+    opt = case.make(model.parameters())
+    for t in range(1, STEPS + 1):
+        _grads(model, t)
+        if t % 2 == 0:
+            model.zero_grad(set_to_none=True)
+            before = clone_params(model.parameters())
+            opt.step()
+            assert all_equal(clone_params(model.parameters()), before), (t, opt.plan_for(t).name)
+        else:
+            opt.step()
+
+
+def test_a_layer_frozen_at_construction_trains_once_unfrozen(case, caplog):
+    """Built over a frozen first layer (``requires_grad=False``), the optimizer trains it from the
+    step it requires gradients, on every plan after that, while the other layer keeps its state."""
+    model = _model()
+    model[0].requires_grad_(False)
+    opt = case.make(model.parameters())
+    _train(model, opt, 1, 3)
+    trained = _state_copy(opt, model[2].weight)
+    model[0].requires_grad_(True)
+    with caplog.at_level(logging.INFO, logger="onebit"):
+        _grads(model, 3)
+        weights = clone_params(model[2].parameters())
+        opt.step()
+    assert any("the trainable parameters changed (4 of 4 now)" in r.message for r in caplog.records)
+    assert not all_equal(clone_params(model[2].parameters()), weights)
+    assert "exp_avg" in opt.state[model[0].weight]
+    assert opt.state[model[2].weight]["exp_avg_sq"].abs().sum() >= trained["exp_avg_sq"].abs().sum() * 0.5
+    for t in range(4, STEPS + 1):
+        _grads(model, t)
+        before = clone_params(model[0].parameters())
+        opt.step()
+        assert not all_equal(clone_params(model[0].parameters()), before), (t, opt.plan_for(t).name)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_layer_frozen_and_unfrozen_keeps_its_state(case):
+    model = _model()
+    opt = case.make(model.parameters())
+    _train(model, opt, 1, 4)
+    kept = [_state_copy(opt, p) for p in model[0].parameters()]
+    weights = clone_params(model[0].parameters())
+    model[0].requires_grad_(False)
+    _train(model, opt, 4, 6)
+    assert all_equal(clone_params(model[0].parameters()), weights)
+    assert all(_same_state(_state_copy(opt, p), s) for p, s in zip(model[0].parameters(), kept))
+    assert opt.state_dict()["state"][0]["exp_avg"].shape == model[0].weight.shape  # saved while frozen
+    model[0].requires_grad_(True)
+    _grads(model, 6)
+    assert all(_same_state(_state_copy(opt, p), s) for p, s in zip(model[0].parameters(), kept))
+    opt.step()
+    assert not all_equal(clone_params(model[0].parameters()), weights)
+
+
+# ----------------------------------------------------------------------------- learning rate 0
+
+
+def test_learning_rate_zero_moves_nothing_on_any_plan(case):
+    model = _model()
+    opt = case.make(model.parameters())
+    for t in range(1, 3):
+        _grads(model, t)
+        opt.step()
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    for t in range(3, STEPS + 4):
+        _grads(model, t)
+        before = clone_params(model.parameters())
+        opt.step()
+        assert all_equal(clone_params(model.parameters()), before), (t, opt.plan_for(t).name)
+
+
+# ----------------------------------------------------------------------------- copies
+
+
+def _train(model, opt, start: int, stop: int) -> None:
+    for t in range(start, stop):
+        _grads(model, t)
+        opt.step()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("at", [2, 4, 7])
+def test_a_copy_is_a_working_independent_optimizer(case, how, at):
+    """``deepcopy((model, optimizer))`` and pickle give an optimizer that continues exactly as the
+    original does, sharing no buffer with it."""
+    model = _model()
+    opt = case.make(model.parameters())
+    _train(model, opt, 1, at)
+    if how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+    assert opt2.step_count == opt.step_count and opt2.phase == opt.phase
+    original = [t.data_ptr() for p in model.parameters() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    copied = [t.data_ptr() for p in model2.parameters() for t in opt2.state[p].values() if isinstance(t, torch.Tensor)]
+    assert not set(original) & set(copied)
+    _train(model2, opt2, at, STEPS)
+    _train(model, opt, at, STEPS)
+    assert all_equal(clone_params(model.parameters()), clone_params(model2.parameters()))
+    assert [p for p in opt2.param_groups[0]["params"]] == list(model2.parameters())
+
+
+# ----------------------------------------------------------------------------- state dicts
+
+
+@pytest.mark.parametrize("saved_after", range(1, 9))
+def test_loading_into_a_live_optimizer_continues_like_a_fresh_one(case, saved_after):
+    """Rolling back: the state dict saved after step k, loaded into the optimizer that went on to
+    step k + 3 (whatever its last plan was), continues exactly as a new optimizer loaded with it."""
+    model = _model()
+    opt = case.make(model.parameters())
+    _train(model, opt, 1, saved_after + 1)
+    saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    _train(model, opt, saved_after + 1, saved_after + 4)
+    model.load_state_dict(weights)
+    opt.load_state_dict(saved)
+    fresh_model = _model(seed=1)
+    fresh_model.load_state_dict(weights)
+    fresh = case.make(fresh_model.parameters())
+    fresh.load_state_dict(saved)
+    _train(model, opt, saved_after + 1, saved_after + 7)
+    _train(fresh_model, fresh, saved_after + 1, saved_after + 7)
+    after = clone_params(model.parameters())
+    assert all(bool(torch.isfinite(p).all()) for p in after)
+    assert all_equal(after, clone_params(fresh_model.parameters()))
+
+
+def test_load_state_dict_keeps_the_group_keys_of_a_scheduler(case):
+    model = _model()
+    opt = case.make(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    for t in range(1, 6):
+        _grads(model, t)
+        opt.step()
+        scheduler.step()
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["initial_lr"] == 1e-2
+    again = case.make(_model().parameters())
+    again.load_state_dict(saved)
+    resumed = torch.optim.lr_scheduler.StepLR(again, 2, gamma=0.5, last_epoch=4)  # raised KeyError before
+    assert again.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.25
+    resumed.step()
+    scheduler.step()
+    assert again.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_state_entries_of_other_tools_survive_state_dict(case):
+    model = _model()
+    opt = case.make(model.parameters())
+    _train(model, opt, 1, 3)
+    p = next(model.parameters())
+    opt.state["hook_calls"] = 3
+    opt.state[p]["ema_decay"] = 0.99
+    opt.state[p]["seen"] = torch.tensor([1.0, 2.0])
+    saved = opt.state_dict()
+    again = case.make(_model().parameters())
+    again.load_state_dict(saved)
+    q = next(again.param_groups[0]["params"].__iter__())
+    assert again.state["hook_calls"] == 3 and again.state[q]["ema_decay"] == 0.99
+    assert torch.equal(again.state[q]["seen"], torch.tensor([1.0, 2.0]))
+    # Loaded as torch does: a live optimizer's own extra entries are replaced by the saved ones.
+    opt.state[p]["stale"] = 1
+    opt.load_state_dict(saved)
+    assert "stale" not in opt.state[p] and opt.state["hook_calls"] == 3
+    _train(model, opt, 3, 5)
+
+
+def test_named_parameters_are_accepted_and_their_names_saved(case):
+    model = _model()
+    opt = case.make(model.named_parameters())
+    assert opt.param_groups[0]["params"] == list(model.parameters())
+    _train(model, opt, 1, 4)
+    names = [name for name, _ in model.named_parameters()]
+    assert opt.state_dict()["param_groups"][0]["param_names"] == names
+    with pytest.raises(ValueError, match="all parameters of a group must be given with names"):
+        case.make([("w", torch.nn.Parameter(torch.ones(2))), torch.nn.Parameter(torch.ones(2))])
+
+
+def test_an_empty_parameter_works_on_every_plan(case):
+    model = _model()
+    empty = torch.nn.Parameter(torch.zeros(0, 4))
+    opt = case.make([*model.parameters(), empty])
+    reference_model = _model()
+    reference = case.make(reference_model.parameters())
+    for t in range(1, STEPS + 1):
+        _grads(model, t)
+        _grads(reference_model, t)
+        empty.grad = torch.zeros(0, 4)
+        opt.step()
+        reference.step()
+    assert all_equal(clone_params(model.parameters()), clone_params(reference_model.parameters()))
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("flag", sorted(TORCH_FLAGS))
+def test_torch_flags_are_refused_with_the_reason(case, flag):
+    with pytest.raises(TypeError, match=f"does not take torch.optim's {flag}=True: .+; remove it"):
+        case.make(_model().parameters(), **{flag: True})
+
+
+def test_an_unknown_keyword_is_named(case):
+    with pytest.raises(TypeError, match=f"{case.cls.__name__} got an unexpected keyword argument 'momentum'"):
+        case.make(_model().parameters(), momentum=0.9)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.slow
+def test_a_compiled_step_runs_through_every_plan(case, caplog):
+    """``torch.compile(opt.step)`` works (graph breaks allowed): finite, and near the eager run
+    (inductor may round differently, and a 1-bit sign can flip on a value near 0)."""
+    torch._dynamo.reset()
+    model, eager_model = _model(), _model()
+    opt, eager = case.make(model.parameters()), case.make(eager_model.parameters())
+    step = torch.compile(opt.step)
+    with caplog.at_level(logging.ERROR):
+        for t in range(1, STEPS + 1):
+            _grads(model, t)
+            _grads(eager_model, t)
+            step()
+            eager.step()
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert bool(torch.isfinite(p).all())
+        assert (p - q).abs().max() < 1e-2
+    assert opt.step_count == STEPS
