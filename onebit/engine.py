@@ -149,6 +149,7 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         self._steps_taken = 0  # step() calls on this object since it was built or last loaded
         self._double_checks = 0  # the steps that looked for gradients the framework averaged already
         self._synced_at: int | None = None  # the step after which synchronize() aligned the replicas
+        self._load_note: tuple[Any, ...] | None = None  # what the last load did, logged at the next step
         self._health = Health(nonfinite_grads, divergence)
         self._layout_checked = False
         self._gradients_averaged = False
@@ -561,6 +562,10 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
             check_layout(self._buckets, self._backend)
             self._layout_checked = True
         self._steps_taken += 1
+        if self._load_note is not None:
+            if self._backend.rank == 0:
+                logger.info(*self._load_note)
+            self._load_note = None
         applied = self._run(plan, t)
         rank = self._backend.rank
         self._health.count_skips(applied, t, plan.name, rank)

@@ -296,8 +296,10 @@ class StateDictContract:
         for (worker, server), (w, s) in zip(self.compression_errors(), compression_errors or []):
             worker.copy_(w)
             server.copy_(s)
-        if self._backend.rank == 0 and not getattr(self, "_copying", False):
-            logger.info("onebit: loaded optimizer state at step %d (next: a %s step); compression errors %s",
-                        self._step, self.phase, "restored (exact resume)" if compression_errors is not None else "reset")
+        # Said at the next step, once, for the last load before it: a framework that loads the state
+        # (errors reset) and then an exact resume that restores them log one line, "restored".
+        self._load_note = None if getattr(self, "_copying", False) else (
+            "onebit: loaded optimizer state at step %d (next: a %s step); compression errors %s",
+            self._step, self.phase, "restored (exact resume)" if compression_errors is not None else "reset")
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -312,6 +312,83 @@ def test_an_empty_parameter_works_on_every_plan(case):
     assert all_equal(clone_params(model.parameters()), clone_params(reference_model.parameters()))
 
 
+def test_a_load_and_then_an_exact_restore_log_one_line_at_the_next_step(case, caplog):
+    """What a framework's resume does: it loads the state (errors reset), then an exact resume
+    restores this rank's errors. The next step says once what it starts from: restored."""
+    model = _model()
+    opt = case.make(model.parameters())
+    _train(model, opt, 1, 8)
+    saved, errors = opt.state_dict(), [(w.clone(), s.clone()) for w, s in opt.compression_errors()]
+    with caplog.at_level(logging.INFO, logger="onebit"):
+        opt.load_state_dict(saved)
+        opt.restore(saved, compression_errors=errors)
+        assert not [r for r in caplog.records if "loaded optimizer state" in r.message]
+        _train(model, opt, 8, 10)
+    loaded = [r.message for r in caplog.records if "loaded optimizer state" in r.message]
+    assert len(loaded) == 1 and loaded[0].endswith("compression errors restored (exact resume)")
+
+
+# ----------------------------------------------------------------------------- masks, faults, AMP
+
+
+def test_masked_momentum_stays_zero_on_every_plan(case):
+    model = _model()
+    mask = torch.ones_like(model[0].weight)
+    mask[3:5] = 0
+    opt = case.make(model.parameters(), momentum_masks={model[0].weight: mask})
+    for t in range(1, STEPS + 1):
+        _grads(model, t)
+        opt.step()
+        assert torch.all(opt.state[model[0].weight]["exp_avg"][3:5] == 0), (t, opt.plan_for(t).name)
+    assert opt.state[model[0].weight]["exp_avg"][:3].abs().sum() > 0
+
+
+def test_a_nonfinite_gradient_skips_the_step_on_every_plan(case):
+    """A NaN in a gradient, at a step of each plan: parameters, state and step count stay; the
+    run then continues as if that call had not happened."""
+    model = _model()
+    opt = case.make(model.parameters())
+    twin = _model()
+    twin_opt = case.make(twin.parameters())
+    for t in range(1, STEPS + 1):
+        _grads(model, t)
+        model[2].bias.grad[0] = float("nan")
+        before = clone_params(model.parameters()), [_state_copy(opt, p) for p in model.parameters()], opt.step_count
+        opt.step()
+        assert all_equal(clone_params(model.parameters()), before[0]) and opt.step_count == before[2], t
+        assert all(_same_state(_state_copy(opt, p), s) for p, s in zip(model.parameters(), before[1])), t
+        _grads(model, t)
+        opt.step()
+        _grads(twin, t)
+        twin_opt.step()
+    assert all_equal(clone_params(model.parameters()), clone_params(twin.parameters()))
+
+
+def test_grad_scaler_skips_overflows_and_unscales_exactly(case):
+    """``torch.amp.GradScaler``: a step with an inf is skipped (and the scale backs off); scaled
+    gradients (powers of 2) are unscaled exactly: the run equals the unscaled one bit for bit."""
+    model, plain = _model(), _model()
+    opt, plain_opt = case.make(model.parameters()), case.make(plain.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    for t in range(1, STEPS + 1):
+        gen = torch.Generator().manual_seed(t)
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        if t == 4:  # an overflow: skipped, the scale halves
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y) * float("inf")).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert scaler.get_scale() == 2.0**9 and opt.step_count == 3
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        _grads(plain, t)
+        plain_opt.step()
+    assert opt.step_count == STEPS
+    assert all_equal(clone_params(model.parameters()), clone_params(plain.parameters()))
+
+
 # ----------------------------------------------------------------------------- arguments
 
 
