@@ -35,6 +35,10 @@ class OnebitAdam(FrozenVarianceOptimizer):
         freeze_step: number of warmup steps (>= 1). The paper uses 15-25% of training.
         bias_correction: divide the moments by ``1 - beta**t`` (with ``t = freeze_step`` for the
             frozen variance). Off by default, as in DeepSpeed.
+        compression_space: what the 1-bit all-reduce averages: ``"momentum"`` (default,
+            DeepSpeed's numerics) or ``"preconditioned"``: ``u = m / (sqrt(v) + eps)``, so that
+            the 1-bit error of a coordinate is in units of Adam's step there (a coordinate with a
+            tiny frozen variance cannot take a step of ``lr * scale / eps``); the same bytes.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -52,11 +56,12 @@ class OnebitAdam(FrozenVarianceOptimizer):
         weight_decay: float = 0.0,
         *,
         bias_correction: bool = False,
+        compression_space: str = "momentum",
         **options: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, freeze_step, **options)
+        super().__init__(params, defaults, freeze_step, compression_space, **options)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:
@@ -72,6 +77,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
         """After the 1-bit average of the momentum, the update with the frozen variance."""
         beta1, beta2 = group["betas"]
         bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
+        self._averaged_momentum(bucket, group)
         denominators = self._frozen_denominator(bucket, group["eps"], bc2)
         descend_(bucket, bucket.views["exp_avg"], denominators, group["lr"], group["weight_decay"], bc1)
 

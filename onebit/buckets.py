@@ -53,6 +53,8 @@ class Derived:
     denominator: torch.Tensor | None = None
     denominator_key: Any = None
     denominators: list[torch.Tensor] = field(default_factory=list)
+    preconditioner: torch.Tensor | None = None  # 1 / denominator, 0 where the momentum is kept 0
+    preconditioner_key: Any = None
 
 
 class Bucket:
@@ -109,6 +111,7 @@ class Bucket:
             self.derived = Derived()
         else:
             self.derived.denominator = self.derived.denominator_key = None
+            self.derived.preconditioner = self.derived.preconditioner_key = None
             self.derived.denominators = []
 
     def hold(self, indices: Sequence[int], shared: Sequence[str] = ()) -> Held:

@@ -99,6 +99,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "hierarchy": (lambda v: v is None or v == "host" or _integer(v),
                   "null (flat), \"host\" or an integer (ranks per node)"),
     "hierarchy_variant": (lambda v: isinstance(v, str), "a string: \"compressed\" or \"node_mean\""),
+    "compression_space": (lambda v: isinstance(v, str), "a string: \"momentum\" or \"preconditioned\""),
     **{key: (_real, "a number")
        for key in ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")},
 }

@@ -79,8 +79,11 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         divergence: ``'warn'`` (default) logs a warning on rank 0, once per episode, when
             ``onebit.health.SKIPS_TO_WARN`` steps in a row were skipped for non-finite gradients,
             or when the worker compression error has grown above ``ERROR_RATIO_TO_WARN`` times
-            the norm of what it compresses (checked every ``HEALTH_CHECK_INTERVAL`` compressed
-            steps); ``'raise'``: every rank raises ``FloatingPointError`` instead.
+            the norm of what it compresses, or a coordinate moved by more than
+            ``UPDATE_RATIO_TO_WARN`` times its learning rate in one step (both checked every
+            ``HEALTH_CHECK_INTERVAL`` compressed steps; the warning names the tensor, by its name
+            when the parameters were given with ``named_parameters()``); ``'raise'``: every rank
+            raises ``FloatingPointError`` instead.
         kernels: codec implementation (``'auto'``, ``'reference'``, or a native one); default
             from the ``ONEBIT_KERNELS`` environment variable, else ``'auto'``.
         hierarchy: ``None`` (default): the flat compressed all-reduce. ``'host'`` (ranks grouped
@@ -505,7 +508,9 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         the current L2 norms of the compression errors (computed on request).
         ``skipped_in_a_row``: the current run of steps skipped for non-finite gradients;
         ``error_to_momentum``: the worker error's norm over the compressed buffer's at the last
-        health check (mean over ranks; None before the first), see ``divergence``.
+        health check (mean over ranks; None before the first), see ``divergence``;
+        ``update_to_lr``: the largest step of a coordinate in units of its learning rate at the last
+        health check (mean over ranks; None before the first).
         """
         errors = self.compression_errors()
 
@@ -521,6 +526,7 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
             "server_error_norm": l2_norm(s for _, s in errors),
             "skipped_in_a_row": self._health.skipped_in_a_row,
             "error_to_momentum": self._health.error_ratio_agreed,
+            "update_to_lr": self._health.update_ratio_agreed,
         }
 
     def reset_comm_stats(self) -> None:
@@ -633,6 +639,7 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
                 local_bad = local_bad or not all_finite(grads)
             # The error ratio travels too, so that every rank agrees on it (and raises together).
             ratio = self._health.error_ratio
+            moved = self._health.update_ratio  # pending on every rank alike (the same schedule)
             # The flag counts the parameters without a gradient on this rank (on a step that
             # communicates nothing for them, a rank leaves alone what it has no gradient for: no
             # count). Only when some rank lacks one do the ranks exchange which, in a second small
@@ -640,12 +647,15 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
             flagged = [b for b in self._buckets if b not in reduced] if communicates else []
             here = [float(has) for b in flagged for has in present[id(b)]]
             flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio,
+                                 *([] if moved is None else [moved[0]]),
                                  *([float(len(here) - sum(here))] if flagged else [])], device=self._device())
             self._backend.all_reduce_mean_(flag)
             bad_ranks = round(flag[0].item() * self._backend.world_size)
             if ratio is not None:
                 self._health.judge(float(flag[1].item()), t, self._backend.rank)
-            if flagged and flag[2].item() > 0:
+            if moved is not None:
+                self._health.judge_updates(float(flag[2].item()), t, self._backend.rank)
+            if flagged and flag[-1].item() > 0:
                 anywhere = torch.tensor(here, device=self._device())
                 self._backend.all_reduce_mean_(anywhere)
                 agreed = (anywhere > 0).tolist()
@@ -726,17 +736,34 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         # Every HEALTH_CHECK_INTERVAL-th compressed step measures the compression errors against
         # what was compressed, before the update may reuse the buffer.
         measure = bool(compressed) and (self._compressed_steps + 1) % HEALTH_CHECK_INTERVAL == 0
-        ratios = []
+        ratios, moves = [], []
         for bucket in compressed:
             finish_(bucket.compressed, bucket.compression, self._kernels_for(bucket), bucket.derived.frozen_keep)
             if bucket.derived.frozen_keep is None and bucket.derived.frozen_zeros is not None:
                 bucket.compressed.index_fill_(0, bucket.derived.frozen_zeros, 0.0)
             if measure:
                 ratios.append(_error_ratio(bucket))
+                before = [p.detach().clone() for p in bucket.params]
             with self._timed("update"):
                 self._update_compressed(bucket, self.param_groups[bucket.group_index], t)
+            if measure:
+                moves.extend(self._moves(bucket, before))
         if measure:
             self._health.error_ratio = max((r for r in ratios if r is not None), default=None)
+            self._health.update_ratio = max(moves, default=None)
+
+    def _moves(self, bucket: Bucket, before: list[torch.Tensor]) -> list[tuple[float, str]]:
+        """Per parameter of ``bucket``: its largest |step| in units of its group's learning rate,
+        and its name (from ``named_parameters()``, else its place and shape)."""
+        group = self.param_groups[bucket.group_index]
+        if group["lr"] == 0 or not bucket.params:
+            return []
+        steps = torch.stack([torch.sub(p.detach(), b).abs().max() if p.numel() else p.new_zeros(())
+                             for p, b in zip(bucket.params, before)]).float() / group["lr"]
+        names = group.get("param_names")
+        index = {id(p): i for i, p in enumerate(group["params"])}
+        return [(value, names[index[id(p)]] if names else f"parameter {index[id(p)]} of group {bucket.group_index} "
+                 f"(shape {tuple(p.shape)})") for value, p in zip(steps.tolist(), bucket.params)]
 
     def _device(self) -> torch.device:
         return self._buckets[0].device if self._buckets else torch.device("cpu")

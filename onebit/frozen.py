@@ -16,10 +16,14 @@ from .validation import check_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FrozenVarianceOptimizer", "WARMUP", "COMPRESSION"]
+__all__ = ["FrozenVarianceOptimizer", "WARMUP", "COMPRESSION", "COMPRESSION_SPACES"]
 
 WARMUP = StepPlan("warmup", average_gradients=True)
 COMPRESSION = StepPlan("compression", compress=True)
+# What the 1-bit all-reduce averages: the momentum m (DeepSpeed's numerics), or u = m / d, the
+# momentum in the frozen preconditioner's units (averaged exactly as m is, d being the same on
+# every rank), whose 1-bit error is then in units of Adam's own step on each coordinate.
+COMPRESSION_SPACES = ("momentum", "preconditioned")
 
 
 class FrozenVarianceOptimizer(OnebitOptimizer):
@@ -33,10 +37,15 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
 
-    def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int, **options: Any) -> None:
+    def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int, compression_space: str = "momentum",
+                 **options: Any) -> None:
         check_int("freeze_step", freeze_step, 1, ", because the variance is frozen after freeze_step steps of "
                   "full-precision warmup and a zero variance would make the update m / eps")
+        if compression_space not in COMPRESSION_SPACES:
+            raise ValueError(f"invalid compression_space: {compression_space!r}; expected one of "
+                             f"{', '.join(map(repr, COMPRESSION_SPACES))}")
         self.freeze_step = freeze_step
+        self.compression_space = compression_space
         super().__init__(params, defaults, **options)
 
     def plan_for(self, step: int) -> StepPlan:
@@ -56,9 +65,37 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
             )
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
-        """The momentum, updated with the local gradients (the variance stays frozen)."""
+        """The momentum, updated with the local gradients (the variance stays frozen); with
+        ``compression_space="preconditioned"``, divided by the frozen denominator (0 where the
+        momentum is kept 0), in a buffer of its own."""
         F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
-        return bucket.buffers["exp_avg"]
+        if self.compression_space == "momentum":
+            return bucket.buffers["exp_avg"]
+        inverse, _ = self._preconditioner(bucket, group)
+        return torch.mul(bucket.buffers["exp_avg"], inverse, out=bucket.scratch("preconditioned"))
+
+    def _averaged_momentum(self, bucket: Bucket, group: dict[str, Any]) -> None:
+        """After the compressed all-reduce: the momentum from its average (in the preconditioned
+        space, ``m = u d``; in the momentum space the buffer was the momentum itself)."""
+        if self.compression_space == "preconditioned":
+            _, denominator = self._preconditioner(bucket, group)
+            torch.mul(bucket.compressed, denominator, out=bucket.buffers["exp_avg"])
+
+    def _preconditioner(self, bucket: Bucket, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(1 / d, d)`` over the padded buffer for the frozen ``d = sqrt(v / bc2) + eps``, ``1 / d``
+        0 where the momentum is kept 0 (zero variance, masks, padding): derived once per
+        ``(eps, bc2)`` (and again after an invalidation)."""
+        bc2 = F.bias_corrections(self.freeze_step, self.freeze_step, *group["betas"],
+                                 group.get("bias_correction", False))[1]
+        self._frozen_denominator(bucket, group["eps"], bc2)
+        derived = bucket.derived
+        if derived.preconditioner is None or derived.preconditioner_key != derived.denominator_key:
+            still = bucket.buffers["exp_avg_sq"] == 0
+            if bucket.mask is not None:
+                still |= bucket.mask == 0
+            derived.preconditioner = torch.reciprocal(derived.denominator).masked_fill_(still, 0.0)
+            derived.preconditioner_key = derived.denominator_key
+        return derived.preconditioner, derived.denominator
 
     @staticmethod
     def _frozen_denominator(bucket: Bucket, eps: float, bc2: float = 1.0) -> list[torch.Tensor]:
@@ -73,16 +110,23 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         return bucket.derived.denominators
 
     def _schedule_state(self) -> dict[str, Any]:
-        return {"freeze_step": self.freeze_step}
+        # (compression_space only when not DeepSpeed's: state dicts of the default stay as they were)
+        space = {} if self.compression_space == "momentum" else {"compression_space": self.compression_space}
+        return {"freeze_step": self.freeze_step, **space}
 
     def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         freeze_step = meta.get("freeze_step")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
-        return {"freeze_step": freeze_step}
+        space = meta.get("compression_space", "momentum")
+        if space not in COMPRESSION_SPACES:
+            raise ValueError(f"compression_space must be one of {COMPRESSION_SPACES}, got {space!r}")
+        return {"freeze_step": freeze_step, "compression_space": space}
 
     def _apply_schedule(self, schedule: dict[str, Any]) -> None:
-        if schedule["freeze_step"] != self.freeze_step:
-            logger.info("onebit: freeze_step %d restored from the checkpoint (was %d)", schedule["freeze_step"],
-                        self.freeze_step)
-        self.freeze_step = schedule["freeze_step"]
+        # The checkpoint's settings win: its compression errors (exact resume) are of its space.
+        for key in ("freeze_step", "compression_space"):
+            if schedule[key] != getattr(self, key):
+                logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, schedule[key],
+                            getattr(self, key))
+            setattr(self, key, schedule[key])

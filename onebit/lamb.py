@@ -76,6 +76,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
         coeff_beta: the averaging factor of the warmup trust ratios.
         factor_max, factor_min, factor_threshold: bounds of ``f``, and its largest relative
             change per step.
+        compression_space: ``"momentum"`` (default, DeepSpeed's numerics) or
+            ``"preconditioned"``: as for :class:`onebit.OnebitAdam`.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -100,6 +102,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
+        *,
+        compression_space: str = "momentum",
         **options: Any,
     ) -> None:
         refuse("OnebitLamb", options, DEEPSPEED_IGNORED)
@@ -113,7 +117,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         self.factor_threshold = factor_threshold
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults, freeze_step, **options)
+        super().__init__(params, defaults, freeze_step, compression_space, **options)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:
@@ -159,6 +163,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         gradient, the factor, and ``p -= lr c_frozen f (m / d + wd p)``."""
         beta1, beta2 = group["betas"]
         eps, weight_decay = group["eps"], group["weight_decay"]
+        self._averaged_momentum(bucket, group)
         m = bucket.buffers["exp_avg"]
         fresh = bucket.buffers["exp_avg_sq_fresh"]
         work = F.reconstructed_grad_(bucket.scratch("prev"), m, beta1)

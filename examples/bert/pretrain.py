@@ -522,7 +522,7 @@ def train(args: argparse.Namespace) -> dict:
                           tokens_per_s=tps, bytes_sent=sum(sent.values()), bytes_by_plan=sent,
                           step_bytes=stats["last_step"]["bytes_sent"], elapsed_s=elapsed(),
                           worker_error_norm=stats["worker_error_norm"], server_error_norm=stats["server_error_norm"],
-                          error_to_momentum=stats.get("error_to_momentum"))
+                          error_to_momentum=stats.get("error_to_momentum"), update_to_lr=stats.get("update_to_lr"))
             metrics.write(**record)
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}", phase=phase,

@@ -14,7 +14,9 @@ The runs:
   (``lr 1e-3, weight_decay 0.01``; no bias correction, betas (0.9, 0.999)), ``freeze_step`` 1e9
   (Adam) and 20% of the steps;
 * ``demo_adam`` / ``demo_onebit``: the demo's ``configs/adam.json`` / ``configs/onebit_gloo.json``;
-* ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements).
+* ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
+* ``*_pre``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit all-reduce
+  averages ``m / (sqrt(v) + eps)`` instead of ``m``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def configs(steps: int) -> dict[str, tuple[dict, str]]:
         for base in ("ds", "demo"):
             params, adam = runs[f"{base}_onebit"]
             runs[f"{base}_onebit_block{block}"] = ({**params, "scale_block_size": block}, adam)
+    for name, (params, adam) in list(runs.items()):
+        if "onebit" in name:
+            runs[f"{name}_pre"] = ({**params, "compression_space": "preconditioned"}, adam)
     return runs
 
 
@@ -71,6 +76,8 @@ def summarize(name: str, run_dir: Path) -> dict:
         "mean_error_to_momentum": (sum(r["error_to_momentum"] for r in compression if r.get("error_to_momentum"))
                                    / max(1, sum(1 for r in compression if r.get("error_to_momentum")))
                                    if compression else None),
+        "max_update_to_lr": max((r["update_to_lr"] for r in compression if r.get("update_to_lr") is not None),
+                                default=None),
         "wall_s": summary.get("wall_s"),
     }
 
@@ -113,12 +120,13 @@ def main() -> None:
         result["vs_adam"] = result["final_val_loss"] / adam["final_val_loss"] if ok else None
     (out / "sweep.json").write_text(json.dumps(results, indent=2))
     print("| run | final val loss | vs Adam | KiB / compression step | mean worker error norm "
-          "| mean error/momentum (worst tensor) | status | wall s |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+          "| mean error/momentum (worst tensor) | largest step / lr | status | wall s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in results.values():
         print(f"| {r['name']} | {_fmt(r['final_val_loss'], '.4f')} | {_fmt(r['vs_adam'], '.4f')} "
               f"| {_fmt(r['kib_per_compression_step'], ',.1f')} | {_fmt(r['mean_worker_error_norm'], '.4g')} "
-              f"| {_fmt(r['mean_error_to_momentum'], '.3g')} | {r['status']} | {_fmt(r['wall_s'], '.0f')} |")
+              f"| {_fmt(r['mean_error_to_momentum'], '.3g')} | {_fmt(r.get('max_update_to_lr'), ',.0f')} "
+              f"| {r['status']} | {_fmt(r['wall_s'], '.0f')} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,179 @@
+"""``compression_space="preconditioned"`` (issue 27): the 1-bit all-reduce averages
+``u = m / (sqrt(v) + eps)`` instead of ``m``, so a coordinate's 1-bit error is in units of Adam's
+step there. Checked against an oracle written from the docstring, on 1 and 3 simulated ranks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import all_equal
+from distributed import run_ranks
+from onebit import OnebitAdam, OnebitLamb
+from onebit.testing import simulate_compressed_allreduce
+
+LR, EPS, WD, BETAS, FREEZE = 1e-2, 1e-8, 0.01, (0.9, 0.999), 3
+SHAPES = ((40,), (6, 5))
+
+
+def _grads(rank: int, t: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * t + rank)
+    grads = [torch.randn(shape, generator=gen) for shape in SHAPES]
+    if t <= FREEZE:
+        grads[0][:4] = 0.0  # four coordinates without variance: kept at zero momentum afterwards
+    # multiples of 2**-12: sums over ranks are exact in any order
+    return [g.mul(2.0**12).round_().div_(2.0**12) for g in grads]
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+
+
+def oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
+    """1-bit Adam in the preconditioned space for ``n`` simulated ranks, tensor by tensor: warmup
+    is Adam on the mean gradient; then ``m_r = lerp(m, g_r)``, ``u_r = m_r * (1 / d)`` (0 where
+    ``v == 0``), ``u = compressed mean of u_r`` (0 where ``v == 0``), ``m = u d``,
+    ``p = p (1 - lr wd) - lr m / d``."""
+    b1, b2 = BETAS
+    params = [p.detach().clone() for p in _params()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    errors = [(None, None)] * len(params)
+    out = []
+    for t in range(1, steps + 1):
+        grads = [_grads(r, t) for r in range(n)]
+        for i in range(len(params)):
+            if t <= FREEZE:
+                g = sum(grads[r][i] for r in range(n)) / n
+                m[i] = torch.lerp(m[i], g, 1 - b1)
+                v[i] = torch.addcmul(v[i] * b2, g, g, value=1 - b2)
+                update = torch.add(m[i] / (v[i].sqrt() + EPS), params[i], alpha=WD)
+                params[i] = torch.add(params[i], update, alpha=-LR)
+                continue
+            d = v[i].sqrt() + EPS
+            keep = v[i] != 0
+            inverse = torch.where(keep, torch.reciprocal(d), 0.0)
+            local = [(torch.lerp(m[i], grads[r][i], 1 - b1) * inverse).reshape(-1) for r in range(n)]
+            sim = simulate_compressed_allreduce(local, *errors[i])
+            errors[i] = (sim.worker_errors, sim.server_errors)
+            u = torch.where(keep, sim.output.view_as(d), 0.0)
+            m[i] = u * d
+            params[i] = torch.addcdiv(params[i] * (1.0 - LR * WD), m[i], d, value=-LR)
+        out.append([p.clone() for p in params])
+    return out
+
+
+def _train(rank: int, world_size: int, steps: int, backend: str | None = None) -> list[list[torch.Tensor]]:
+    params = _params()
+    opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS, weight_decay=WD,
+                     comm_backend_name=backend, compression_space="preconditioned")
+    out = []
+    for t in range(1, steps + 1):
+        for p, g in zip(params, _grads(rank, t)):
+            p.grad = g
+        opt.step()
+        out.append([p.detach().clone() for p in params])
+    return out
+
+
+def test_one_rank_matches_the_oracle():
+    got, want = _train(0, 1, 8, "local"), oracle(1, 8)
+    for t, (a, b) in enumerate(zip(got, want), start=1):
+        assert all_equal(a, b), t
+
+
+@pytest.mark.slow
+def test_three_gloo_ranks_match_the_oracle(tmp_path):
+    results = run_ranks(_train, 3, tmp_path, 8)
+    want = oracle(3, 8)
+    for t in range(8):
+        for rank in range(3):
+            assert all_equal(results[rank][t], want[t]), (rank, t + 1)
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
+def test_a_tiny_frozen_variance_cannot_take_a_huge_step(cls):
+    """The mechanism of issue 27: a coordinate whose warmup gradients were tiny (a rare token's
+    embedding row) has a tiny frozen variance; in the momentum space its decoded momentum is the
+    segment's scale (set by the other coordinates), and its step ``lr * scale / (sqrt(v) + eps)``
+    is thousands of ``lr``. In the preconditioned space the scale is one of Adam steps: a few ``lr``."""
+    largest = {}
+    for space in ("momentum", "preconditioned"):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(1000))
+        opt = cls([p], lr=1e-3, freeze_step=5, comm_backend_name="local", compression_space=space)
+        moves = []
+        for t in range(20):
+            g = torch.randn(1000)
+            g[:10] *= 1e-4  # rare coordinates: gradients 10^4 times smaller than the others, throughout
+            p.grad = g
+            before = p.detach().clone()
+            opt.step()
+            moves.append(float((p.detach() - before).abs().max()) / 1e-3)
+        largest[space] = max(moves[5:])
+    assert largest["momentum"] > 50 * largest["preconditioned"], largest
+    assert largest["preconditioned"] < 100, largest
+
+
+def test_the_space_is_saved_and_a_checkpoint_restores_it(caplog):
+    params = _params()
+    opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, comm_backend_name="local", compression_space="preconditioned")
+    for t in range(1, 6):
+        for p, g in zip(params, _grads(0, t)):
+            p.grad = g
+        opt.step()
+    saved = opt.state_dict()
+    assert saved["onebit"]["compression_space"] == "preconditioned"
+    default = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local")
+    assert "compression_space" not in default.state_dict()["onebit"]  # DeepSpeed-numerics state dicts as before
+    with caplog.at_level(logging.INFO, logger="onebit"):
+        default.load_state_dict(saved)
+    assert default.compression_space == "preconditioned"
+    assert any("compression_space 'preconditioned' restored from the checkpoint" in r.message for r in caplog.records)
+
+
+def test_an_unknown_space_is_refused():
+    with pytest.raises(ValueError, match="invalid compression_space: 'update'; expected one of 'momentum', 'preconditioned'"):
+        OnebitAdam(_params(), comm_backend_name="local", compression_space="update")
+
+
+# ----------------------------------------------------------------------------- the alarm
+
+
+def _rare(cls, space: str, divergence: str = "warn", steps: int = 40):
+    """The mechanism above, with parameters given by name: a tensor of frequent coordinates and
+    ``embed`` whose first rows are rare."""
+    torch.manual_seed(0)
+    model = torch.nn.ParameterDict({"dense": torch.nn.Parameter(torch.randn(500)),
+                                    "embed": torch.nn.Parameter(torch.randn(500))})
+    opt = cls(model.named_parameters(), lr=1e-3, freeze_step=5, comm_backend_name="local",
+              compression_space=space, divergence=divergence)
+    for _ in range(steps):
+        for name, p in model.named_parameters():
+            p.grad = torch.randn(500)
+            if name == "embed":
+                p.grad[:10] *= 1e-4
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
+def test_the_alarm_names_the_tensor_whose_steps_blow_up(cls, caplog):
+    with caplog.at_level(logging.WARNING, logger="onebit"):
+        _rare(cls, "momentum")
+    warned = [r.message for r in caplog.records if "times its learning rate in one step" in r.message]
+    assert len(warned) == 1 and "a coordinate of embed moved by" in warned[0]
+    assert "compression_space='preconditioned'" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="onebit"):
+        opt = _rare(cls, "preconditioned")
+    assert not [r for r in caplog.records if "times its learning rate" in r.message]
+    assert opt._health.update_ratio_agreed is not None and opt._health.update_ratio_agreed < 10
+
+
+def test_the_alarm_raises_with_divergence_raise():
+    with pytest.raises(FloatingPointError, match=r"before step 22 a coordinate of embed moved by .* \(divergence='raise'\)"):
+        _rare(OnebitAdam, "momentum", divergence="raise")
