@@ -186,6 +186,7 @@ def test_default_param_groups_are_decay_and_no_decay():
     assert {names[p] for p in no_decay_group["params"]} == no_decay
     assert {names[p] for p in decay_group["params"]} == set(names.values()) - no_decay
     assert all(p.dim() == 2 for p in decay_group["params"])  # matrices and embedding tables
+    assert [names[p] for p in decay_group["params"]] == decay_group["param_names"]  # named in onebit's warnings
 
     per_tensor = pretrain.param_groups(model, per_tensor=True)
     assert all(len(group["params"]) == 1 for group in per_tensor) and len(per_tensor) == len(names)

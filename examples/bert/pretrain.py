@@ -225,12 +225,15 @@ def param_groups(model, per_tensor: bool = False) -> list[dict]:
     had a single scale); it only costs more, smaller collectives (one bucket per tensor).
     """
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.dim() == 1 else decay).append(p)
+            (no_decay if p.dim() == 1 else decay).append((name, p))
+    # (the names travel as torch's "param_names", so that onebit's warnings name the tensor)
     if per_tensor:
-        return [{"params": [p]} for p in decay] + [{"params": [p], "weight_decay": 0.0} for p in no_decay]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return ([{"params": [p], "param_names": [name]} for name, p in decay]
+                + [{"params": [p], "param_names": [name], "weight_decay": 0.0} for name, p in no_decay])
+    return [{"params": [p for _, p in decay], "param_names": [name for name, _ in decay]},
+            {"params": [p for _, p in no_decay], "param_names": [name for name, _ in no_decay], "weight_decay": 0.0}]
 
 
 #: A validation loss above ``max(ln(vocab size), initial val loss) + EXPLODED_MARGIN`` nats is worse
