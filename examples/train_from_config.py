@@ -66,6 +66,9 @@ def start_transport(name: str | None, device: str | None) -> torch.device:
 
 def stop_transport(name: str | None) -> None:
     if name in TORCH_DIST_BACKENDS:
+        # Every rank done with its collectives before any rank tears the group down: gloo can
+        # abort a rank ("terminate called without an active exception") whose peer closed first.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ import torch
 
 from . import functional as F
 from .adam import adam_step_, descend_
+from .frozen import COMPRESSION_SPACES
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
@@ -131,6 +132,9 @@ class ZeroOneAdam(OnebitOptimizer):
         local_step_scaler: phase-2 steps per sync interval before it doubles (>= 1).
         local_step_clipper: the largest sync interval (>= 1).
         bias_correction: Adam's bias correction of both moments (see above). Off by default.
+        compression_space: ``"momentum"`` (default, DeepSpeed's numerics: gradients and
+            ``u (sqrt(v) + eps)`` are averaged) or ``"preconditioned"``: ``g / (sqrt(v) + eps)`` and
+            ``u`` are, so that a coordinate's 1-bit error is in units of Adam's step there.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -160,11 +164,16 @@ class ZeroOneAdam(OnebitOptimizer):
         local_step_clipper: int = 16,
         *,
         bias_correction: bool = False,
+        compression_space: str = "momentum",
         **options: Any,
     ) -> None:
         refuse("ZeroOneAdam", options, DEEPSPEED_IGNORED)
+        if compression_space not in COMPRESSION_SPACES:
+            raise ValueError(f"invalid compression_space: {compression_space!r}; expected one of "
+                             f"{', '.join(map(repr, COMPRESSION_SPACES))}")
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
-                        local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
+                        local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
+                        compression_space=compression_space)
         self._apply_schedule(self._check_schedule(schedule), log=False)
         # Per bucket: how many coordinates had a zero variance when its keep mask was last built
         # (None: not built); a variance step can only make them fewer.
@@ -220,17 +229,22 @@ class ZeroOneAdam(OnebitOptimizer):
         return F.bias_corrections(t, k, *group["betas"], group["bias_correction"])
 
     def _schedule_state(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in self._SCHEDULE}
+        # (compression_space only when not DeepSpeed's: state dicts of the default stay as they were)
+        space = {} if self.compression_space == "momentum" else {"compression_space": self.compression_space}
+        return {**{key: getattr(self, key) for key in self._SCHEDULE}, **space}
 
     def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         for key in self._SCHEDULE:
             check_int(key, meta.get(key), 1)
-        return {key: meta[key] for key in self._SCHEDULE}
+        space = meta.get("compression_space", "momentum")
+        if space not in COMPRESSION_SPACES:
+            raise ValueError(f"compression_space must be one of {COMPRESSION_SPACES}, got {space!r}")
+        return {**{key: meta[key] for key in self._SCHEDULE}, "compression_space": space}
 
     def _apply_schedule(self, schedule: dict[str, Any], log: bool = True) -> None:
         for key, value in schedule.items():
             if log and value != getattr(self, key) and self._backend.rank == 0:
-                logger.info("onebit: %s %d restored from the checkpoint (was %d)", key, value, getattr(self, key))
+                logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, value, getattr(self, key))
             setattr(self, key, value)
 
     # ----------------------------------------------------------------- phase 1
@@ -278,39 +292,53 @@ class ZeroOneAdam(OnebitOptimizer):
         return dead
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
-        if t > self.var_freeze_step:  # a sync: the local step, then the accumulator in momentum space
+        denominator = self._denominator(bucket, group, t)
+        if t > self.var_freeze_step:  # a sync: the local step, then the accumulator (in momentum space)
             self._local_step(bucket, grads, group, t)
-            u = bucket.buffers["momentum_accumulator"].mul_(self._denominator(bucket, group, t))
+            u = bucket.buffers["momentum_accumulator"]
+            if self.compression_space == "preconditioned":  # u itself, 0 where the parameters are kept still
+                return u.masked_fill_(torch.isinf(denominator), 0.0)
             # Where the denominator is infinite (coordinates kept still, the padding) send 0, not inf or NaN.
-            return u.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        buffer = bucket.scratch("grad")  # a compressed-gradient step: the local gradients
+            return u.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        buffer = bucket.scratch("grad")  # a compressed-gradient step: the local gradients (divided by d)
         for view, g in zip(bucket.view(buffer), grads):
             view.zero_() if g is None else view.copy_(g)
-        return buffer
+        return buffer.div_(denominator) if self.compression_space == "preconditioned" else buffer
 
     def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         averaged = bucket.compressed
         m = bucket.buffers["exp_avg"]
         bc1, _ = self._bias(group, t)
+        denominator = self._denominator(bucket, group, t)
+        preconditioned = self.compression_space == "preconditioned"
         if t <= self.var_freeze_step:
+            if preconditioned:  # the averaged gradient, from its average over d
+                averaged.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             m.lerp_(averaged, 1 - group["betas"][0])
-            self._denominator(bucket, group, t)
             descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, group["lr"], group["weight_decay"], bc1)
             return
         # A sync: every input below is the same on every rank, so are the parameters after it.
         lr_sum = bucket.scalars["lr_sum"]
         totals = lr_sum.tolist()
-        if totals[0] > 0 and totals.count(totals[0]) == len(totals):  # (the usual case: one pass)
+        uniform = totals[0] > 0 and totals.count(totals[0]) == len(totals)  # (the usual case: one pass)
+        if not uniform:  # the learning rate was 0 since the last sync: nothing moves
+            for total, u_view in zip(totals, bucket.view(averaged)):
+                if total <= 0:
+                    u_view.zero_()
+        theta = bucket.buffers["sync_point"]
+        if preconditioned:
+            theta.add_(averaged)
+            averaged.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # in momentum space, for m
+        else:
+            theta.addcdiv_(averaged, denominator)
+        if uniform:
             torch.div(averaged, -totals[0] / bc1, out=m)  # (with bias correction, the uncorrected momentum)
         else:  # per tensor: a tensor left alone on some steps (no gradient) has summed fewer rates
             for total, m_view, u_view in zip(totals, bucket.views["exp_avg"], bucket.view(averaged)):
                 if total > 0:
                     torch.div(u_view, -total / bc1, out=m_view)
-                else:  # the learning rate was 0 since the last sync: nothing moves; the momentum starts afresh
+                else:  # the momentum starts afresh
                     m_view.zero_()
-                    u_view.zero_()
-        theta = bucket.buffers["sync_point"]
-        theta.addcdiv_(averaged, self._denominator(bucket, group, t))
         if bucket.same_dtype:
             torch._foreach_copy_(bucket.params, bucket.views["sync_point"])
         else:

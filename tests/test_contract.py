@@ -45,6 +45,8 @@ OPTIMIZERS = [
     # variance 1-2, compressed_gradient 3, variance 4, then local / sync steps from step 6 (interval 2)
     Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
          dict(weight_decay=0.01)),
+    Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
+         dict(weight_decay=0.01, compression_space="preconditioned")),
 ]
 STEPS = 12
 

@@ -231,7 +231,7 @@ def _optimizer(net: Net, backend: str | None, bucket_size: int = BUCKET, uncompr
 
 
 def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool = False,
-           uncompressed: bool = False) -> dict:
+           uncompressed: bool = False, space: str = "momentum") -> dict:
     """0/1 Adam for ``n`` simulated ranks, tensor by tensor, from ZeroOneAdam's docstring, with
     DeepSpeed's schedule (``deepspeed_schedule``, call ``t = s + shift``). Each tensor's 1-bit
     all-reduce is ``simulate_compressed_allreduce`` of that tensor alone; its result is 0 where
@@ -241,6 +241,9 @@ def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool 
     A tensor without a gradient on any rank is left alone (on a local step: on a rank without
     one), except by a sync if it moved on some rank since the last one: the sync counts a zero
     gradient and re-aligns it.
+
+    ``space="preconditioned"``: the 1-bit all-reduces average ``g / d`` and ``u`` instead of ``g``
+    and ``u d`` (0 where the parameters are kept still).
 
     ``ignore_gradient``: at n = 1, leave the momentum alone on compressed-gradient steps (DeepSpeed's
     defect Q2). ``uncompressed``: group 1 is ``compress=False``: Adam on the averaged gradient at
@@ -311,6 +314,12 @@ def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool 
                     d = v[i].sqrt() + EPS
                     if n == 1 and ignore_gradient:
                         averaged = None
+                    elif space == "preconditioned":
+                        keep = v[i] != 0
+                        if keep_mask[i] is not None:
+                            keep &= keep_mask[i]
+                        averaged, _ = one_bit(i, [torch.where(keep, g / d, 0.0) for g in local])
+                        averaged = averaged * d
                     else:
                         averaged, _ = one_bit(i, local)
                     for r in range(n):
@@ -339,11 +348,16 @@ def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool 
                             P[r][i] = P[r][i] * (1.0 - lr * wd)
                         P[r][i] = torch.addcdiv(P[r][i], m[r][i], d, value=-lr)
                     if kind == "sync":
-                        averaged, _ = one_bit(i, [torch.nan_to_num(u[r][i] * d, nan=0.0, posinf=0.0, neginf=0.0)
-                                                  for r in range(n)])
+                        if space == "preconditioned":
+                            averaged, _ = one_bit(i, [torch.where(keep, u[r][i], 0.0) for r in range(n)])
+                            theta[i] = theta[i] + averaged
+                            averaged = torch.nan_to_num(averaged * d, nan=0.0, posinf=0.0, neginf=0.0)
+                        else:
+                            averaged, _ = one_bit(i, [torch.nan_to_num(u[r][i] * d, nan=0.0, posinf=0.0, neginf=0.0)
+                                                      for r in range(n)])
+                            theta[i] = torch.addcdiv(theta[i], averaged, d)
                         total = lr_sum[g_index]
                         momentum = torch.div(averaged, -total) if total > 0 else torch.zeros_like(averaged)
-                        theta[i] = torch.addcdiv(theta[i], averaged, d)
                         for r in range(n):
                             m[r][i] = momentum.clone()
                             P[r][i] = theta[i].clone()
@@ -363,9 +377,9 @@ def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def _train_rank(rank: int, world_size: int, backend: str, bucket_size: int = BUCKET, uncompressed: bool = False,
-                steps: int = STEPS) -> dict:
+                steps: int = STEPS, space: str = "momentum") -> dict:
     net = Net()
-    opt = _optimizer(net, backend, bucket_size, uncompressed)
+    opt = _optimizer(net, backend, bucket_size, uncompressed, compression_space=space)
     kinds, snapshots, identical, untouched, per_step, state_keys = [], [], [], [], [], []
     for s in range(1, steps + 1):
         for g, group in enumerate(opt.param_groups):
@@ -387,10 +401,10 @@ def _train_rank(rank: int, world_size: int, backend: str, bucket_size: int = BUC
             "step_count": opt.step_count}
 
 
-def _check_against_oracle(results: list[dict], n: int, uncompressed: bool = False) -> dict:
+def _check_against_oracle(results: list[dict], n: int, uncompressed: bool = False, space: str = "momentum") -> dict:
     """Every rank equals the oracle bit for bit: the kinds of step, the parameters after every
     step, and the final state (momentum, variance, accumulator, sync point, lr sum)."""
-    expected = oracle(n, uncompressed=uncompressed)
+    expected = oracle(n, uncompressed=uncompressed, space=space)
     for rank, result in enumerate(results):
         assert result["kinds"] == KINDS
         assert all(result["untouched"]), rank  # step() never writes p.grad
@@ -438,6 +452,7 @@ def _onebit_adam_compression_step(rank: int) -> dict:
 def _two_rank_session(rank: int, world_size: int) -> dict:
     return {
         "oracle": _train_rank(rank, world_size, "gloo"),
+        "preconditioned": _train_rank(rank, world_size, "gloo", space="preconditioned"),
         "tiny": _train_rank(rank, world_size, "gloo", bucket_size=1),
         "default": _train_rank(rank, world_size, "gloo", bucket_size=DEFAULT_BUCKET_SIZE),
         "uncompressed": _train_rank(rank, world_size, "gloo", uncompressed=True),
@@ -460,12 +475,21 @@ def test_two_gloo_ranks_match_the_oracle(two_ranks):
 
 
 @pytest.mark.slow
+def test_two_gloo_ranks_in_the_preconditioned_space_match_its_oracle(two_ranks):
+    _check_against_oracle([r["preconditioned"] for r in two_ranks], 2, space="preconditioned")
+
+
+@pytest.mark.slow
 def test_three_gloo_ranks_match_the_oracle(tmp_path):
     _check_against_oracle(run_ranks(_train_rank, 3, tmp_path, "gloo"), 3)
 
 
 def test_local_backend_matches_the_oracle_for_one_rank():
     _check_against_oracle([_train_rank(0, 1, "local")], 1)
+
+
+def test_preconditioned_space_matches_its_oracle_for_one_rank():
+    _check_against_oracle([_train_rank(0, 1, "local", space="preconditioned")], 1, space="preconditioned")
 
 
 def test_one_rank_uses_the_gradient_on_compressed_gradient_steps():
