@@ -24,7 +24,7 @@ from .hierarchy import Topology, TwoLevelState
 from .kernels.reference import pack_signs
 
 __all__ = ["Bucket", "Derived", "split_into_buckets", "set_masks", "check_grads", "grads_of", "all_finite", "build_keep_mask",
-           "layout_digest", "check_layout"]
+           "layout_digest", "check_layout", "ranks_differing"]
 
 # Up to this many gradient tensors the finiteness check sums each (the fastest pass over a large
 # tensor); above it, one foreach norm call avoids a Python call per tensor.
@@ -385,13 +385,18 @@ def check_layout(buckets: list[Bucket], backend: Any) -> None:
     same clear error instead of deadlocking or mixing buffers."""
     if not buckets:
         return
-    mine = torch.tensor(list(bytes.fromhex(layout_digest(buckets))), dtype=torch.uint8, device=buckets[0].device)
-    everyone = torch.empty(backend.world_size, 8, dtype=torch.uint8, device=mine.device)
-    backend.all_gather(everyone, mine)
-    differ = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+    differ = ranks_differing(backend, bytes.fromhex(layout_digest(buckets)), buckets[0].device)
     if differ:
         raise ValueError(
             f"the parameter layout differs between ranks: ranks {differ} do not match rank 0 (their "
             "parameter shapes, dtypes, param groups or bucket_size differ); every rank must build the "
             "same model and the same param groups in the same order"
         )
+
+
+def ranks_differing(backend: Any, digest: bytes, device: torch.device) -> list[int]:
+    """One all-gather of this rank's 8-byte ``digest``: the ranks whose digest is not rank 0's."""
+    mine = torch.tensor(list(digest[:8]), dtype=torch.uint8, device=device)
+    everyone = torch.empty(backend.world_size, 8, dtype=torch.uint8, device=device)
+    backend.all_gather(everyone, mine)
+    return [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]

@@ -14,7 +14,6 @@ step averages gradients in full precision; ``comm_stats()`` counts steps and byt
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import logging
@@ -24,14 +23,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from .backends import BACKEND_NAMES, CommBackend, resolve_backend
-from .buckets import (Bucket, all_finite, build_keep_mask, check_grads, check_layout, grads_of, set_masks,
-                      split_into_buckets)
+from .backends import CommBackend, resolve_backend
+from .buckets import (Bucket, all_finite, build_keep_mask, check_grads, check_layout, grads_of, ranks_differing,
+                      set_masks, split_into_buckets)
 from .collectives import finish_, start_server_, start_worker_
 from .health import HEALTH_CHECK_INTERVAL, Health, error_ratio
 from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
-from .state import StateDictContract, build_state_dict
+from .lifecycle import Lifecycle
+from .state import StateDictContract
 from .hierarchy import Topology, build_topology, check_hierarchy
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import check_common_group, check_engine_options, check_flag, check_params, refuse_unknown
@@ -46,7 +46,7 @@ DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
 DOUBLE_AVERAGE_CHECKS = 2
 
 
-class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
+class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
     """Base class of the onebit optimizers; not used on its own.
 
     Keyword-only options of every onebit optimizer:
@@ -176,68 +176,6 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         self._momentum_masks = dict(momentum_masks or {})
         self._trainable_at_build = self._trainable()
 
-    # ----------------------------------------------------------------- copies
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> OnebitOptimizer:
-        # The constructor's arguments, less the parameters: what a copy is built again from.
-        self = super().__new__(cls)
-        self._init_args = (args[1:], {k: v for k, v in kwargs.items() if k != "params"})
-        return self
-
-    def _copy_state(self) -> dict[str, Any]:
-        """What a copy is made of: the constructor's arguments, the param groups (their tensors
-        and hyperparameters), the state dict, this rank's compression errors and the bookkeeping
-        of a step; the transport and kernels are not copied but resolved again."""
-        args, kwargs = self._init_args
-        return {"args": args, "kwargs": kwargs, "param_groups": self.param_groups, "state_dict": build_state_dict(self),
-                "errors": [(w.clone(), s.clone()) for w, s in self.compression_errors()],
-                "layout": self.layout_digest(), "health": self._health, "gradients_averaged": self._gradients_averaged,
-                "compressed_steps": self._compressed_steps, "layout_checked": self._layout_checked}
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> OnebitOptimizer:
-        """A copy that shares nothing mutable with this optimizer (its parameters are the copies
-        made in the same ``deepcopy``, e.g. of ``(model, optimizer)``), and the same transport."""
-        state = self._copy_state()
-        kwargs = state.pop("kwargs")
-        shared = {k: kwargs[k] for k in ("backend", "group") if kwargs.get(k) is not None}
-        state = copy.deepcopy({**state, "kwargs": {k: v for k, v in kwargs.items() if k not in shared}}, memo)
-        state["kwargs"].update(shared)
-        new = type(self).__new__(type(self))
-        new.__setstate__(state)
-        return new
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickling: a transport object cannot travel; the copy resolves its transport again by
-        name (as torch's PowerSGD state does with its process group): a ``backend`` object by its
-        name, a ``group`` as the default group (logged)."""
-        state = self._copy_state()
-        kwargs = dict(state["kwargs"])
-        backend = kwargs.pop("backend", None)
-        if backend is not None:
-            kwargs["comm_backend_name"] = backend.name if getattr(backend, "name", None) in BACKEND_NAMES else None
-        if kwargs.pop("group", None) is not None:
-            logger.warning("onebit: pickling %s: its process group cannot be pickled; the copy will use the default "
-                           "group", type(self).__name__)
-        state["kwargs"] = kwargs
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._init_args = (state["args"], state["kwargs"])
-        type(self).__init__(self, state["param_groups"], *state["args"], **state["kwargs"])
-        same = state["layout"] == self.layout_digest()
-        self._copying = True
-        try:
-            self.restore(state["state_dict"], state["errors"] if same else None)
-        finally:
-            del self._copying
-        if not same:
-            logger.info("onebit: the copy of %s has another layout (world size?): compression errors reset",
-                        type(self).__name__)
-        self._health = state["health"]
-        self._gradients_averaged = state["gradients_averaged"]
-        self._compressed_steps = state["compressed_steps"]
-        self._layout_checked = state["layout_checked"] and same
-
     # ----------------------------------------------------------------- what a subclass provides
 
     @classmethod
@@ -342,63 +280,6 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
                 self._kernels[bucket.device] = get_kernels(bucket.device, self._kernel_choice)
             self._buckets.append(bucket)
 
-    def _trainable(self) -> tuple[bool, ...]:
-        return tuple(p.requires_grad for group in self.param_groups for p in group["params"])
-
-    def _rebuild_buckets(self) -> None:
-        """Parameters started or stopped requiring gradients (a layer unfrozen, or frozen): lay the
-        buckets out again over the trainable ones, as at construction, so that frozen parameters
-        cost no bytes. Every parameter keeps its state: in a bucket, or, once frozen, as tensors
-        of its own until it trains again; a newcomer starts from zeros. The compression errors
-        start afresh (their layout changed) and the ranks check the new layout at this step."""
-        saved = {p: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
-                 for p, entry in self.state.items() if isinstance(p, torch.Tensor)}
-        for bucket in self._buckets:
-            for p in bucket.params:
-                del self.state[p]
-        self._buckets = []
-        for index in range(len(self.param_groups)):
-            self._build_group_buckets(index)
-        owned = set(self._BUFFERS) | set(self._SCALARS)
-        for bucket in self._buckets:
-            for name in self._LAZY:
-                if any(name in saved.get(p, {}) for p in bucket.params):
-                    self._allocate(bucket, name)
-            newcomers = []
-            for i, p in enumerate(bucket.params):
-                entry = saved.pop(p, None)
-                if entry is None:
-                    newcomers.append(i)
-                    continue
-                for name, value in entry.items():
-                    if name not in owned:
-                        self.state[p][name] = value
-                    elif name in self.state[p]:
-                        self.state[p][name].copy_(value)
-            for i in newcomers:
-                self._adopt(bucket, i, newcomers)
-        for p, entry in saved.items():  # frozen now: their state waits for them
-            self.state[p] = entry
-        located = {id(p) for bucket in self._buckets for p in bucket.params}
-        set_masks(self._buckets, {p: m for p, m in self._momentum_masks.items() if id(p) in located}, self._MASKED)
-        self._invalidate()
-        self._layout_checked = False
-        self._trainable_at_build = self._trainable()
-        if self._backend.rank == 0:
-            logger.info("onebit: step %d: the trainable parameters changed (%d of %d now): buckets laid out again, "
-                        "compression errors reset", self._step + 1, sum(self._trainable_at_build),
-                        len(self._trainable_at_build))
-
-    def _adopt(self, bucket: Bucket, index: int, newcomers: list[int]) -> None:
-        """Parameter ``index`` of ``bucket`` joins the buckets without state (it did not require
-        gradients before; so did ``newcomers``): its state is zeros, and its scalars that every
-        parameter shares with the step (``_SHARED_SCALARS``) take those of a parameter that had
-        state."""
-        others = [i for i in range(len(bucket.params)) if i not in newcomers]
-        for name in self._SHARED_SCALARS:
-            if others:
-                bucket.scalars[name][index] = bucket.scalars[name][others[0]]
-
     def _invalidate(self) -> None:
         """The one path by which the state changes from outside a step (a load, a copy): every
         value derived from it, the buckets' and the algorithm's, is dropped and rebuilt when
@@ -466,10 +347,8 @@ class OnebitOptimizer(StateDictContract, torch.optim.Optimizer):
         for bucket in self._buckets:
             for p in bucket.params:
                 digest.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        mine = torch.tensor(list(digest.digest()[:8]), dtype=torch.uint8, device=self._device())
-        everyone = torch.empty(self._backend.world_size, 8, dtype=torch.uint8, device=mine.device)
-        self._backend.inner.all_gather(everyone, mine)  # (outside any step: not in comm_stats())
-        differ = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+        # (outside any step: not in comm_stats())
+        differ = ranks_differing(self._backend.inner, digest.digest(), self._device())
         if differ:
             raise RuntimeError(
                 f"synchronize(): the parameters of ranks {differ} differ from rank 0's after step {self._step}; "

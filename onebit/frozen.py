@@ -12,18 +12,14 @@ import torch
 from . import functional as F
 from .buckets import Bucket
 from .engine import OnebitOptimizer, StepPlan
-from .validation import check_int
+from .validation import check_compression_space, check_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FrozenVarianceOptimizer", "WARMUP", "COMPRESSION", "COMPRESSION_SPACES"]
+__all__ = ["FrozenVarianceOptimizer", "WARMUP", "COMPRESSION"]
 
 WARMUP = StepPlan("warmup", average_gradients=True)
 COMPRESSION = StepPlan("compression", compress=True)
-# What the 1-bit all-reduce averages: the momentum m (DeepSpeed's numerics), or u = m / d, the
-# momentum in the frozen preconditioner's units (averaged exactly as m is, d being the same on
-# every rank), whose 1-bit error is then in units of Adam's own step on each coordinate.
-COMPRESSION_SPACES = ("momentum", "preconditioned")
 
 
 class FrozenVarianceOptimizer(OnebitOptimizer):
@@ -41,9 +37,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                  **options: Any) -> None:
         check_int("freeze_step", freeze_step, 1, ", because the variance is frozen after freeze_step steps of "
                   "full-precision warmup and a zero variance would make the update m / eps")
-        if compression_space not in COMPRESSION_SPACES:
-            raise ValueError(f"invalid compression_space: {compression_space!r}; expected one of "
-                             f"{', '.join(map(repr, COMPRESSION_SPACES))}")
+        check_compression_space(compression_space)
         self.freeze_step = freeze_step
         self.compression_space = compression_space
         super().__init__(params, defaults, **options)
@@ -119,8 +113,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
         space = meta.get("compression_space", "momentum")
-        if space not in COMPRESSION_SPACES:
-            raise ValueError(f"compression_space must be one of {COMPRESSION_SPACES}, got {space!r}")
+        check_compression_space(space, saved=True)
         return {"freeze_step": freeze_step, "compression_space": space}
 
     def _apply_schedule(self, schedule: dict[str, Any]) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 __all__ = ["check_number", "check_int", "check_flag", "check_params", "check_common_group", "check_engine_options",
-           "refuse", "refuse_unknown", "TORCH_FLAGS"]
+           "refuse", "refuse_unknown", "TORCH_FLAGS",
+           "COMPRESSION_SPACES", "check_compression_space"]
 
 
 def check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
@@ -119,3 +120,15 @@ def refuse_unknown(owner: str, options: Mapping[str, Any]) -> None:
         if key in TORCH_FLAGS:
             raise TypeError(f"{owner} does not take torch.optim's {key}={value!r}: {TORCH_FLAGS[key]}; remove it")
         raise TypeError(f"{owner} got an unexpected keyword argument {key!r}")
+
+
+# What the 1-bit all-reduce averages: DeepSpeed's quantities ("momentum": the momentum, 0/1 Adam's
+# gradients and u (sqrt(v) + eps)), or the same divided by the frozen preconditioner
+# sqrt(v) + eps ("preconditioned"), whose 1-bit error is then in units of Adam's own step.
+COMPRESSION_SPACES = ("momentum", "preconditioned")
+
+
+def check_compression_space(value: Any, saved: bool = False) -> None:
+    if value not in COMPRESSION_SPACES:
+        prefix = "compression_space in the checkpoint" if saved else "invalid compression_space"
+        raise ValueError(f"{prefix}: {value!r}; expected one of {', '.join(map(repr, COMPRESSION_SPACES))}")

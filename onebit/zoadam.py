@@ -10,11 +10,10 @@ import torch
 
 from . import functional as F
 from .adam import adam_step_, descend_
-from .frozen import COMPRESSION_SPACES
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
-from .validation import check_flag, check_int, refuse
+from .validation import check_compression_space, check_flag, check_int, refuse
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +167,7 @@ class ZeroOneAdam(OnebitOptimizer):
         **options: Any,
     ) -> None:
         refuse("ZeroOneAdam", options, DEEPSPEED_IGNORED)
-        if compression_space not in COMPRESSION_SPACES:
-            raise ValueError(f"invalid compression_space: {compression_space!r}; expected one of "
-                             f"{', '.join(map(repr, COMPRESSION_SPACES))}")
+        check_compression_space(compression_space)
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                         compression_space=compression_space)
@@ -237,8 +234,7 @@ class ZeroOneAdam(OnebitOptimizer):
         for key in self._SCHEDULE:
             check_int(key, meta.get(key), 1)
         space = meta.get("compression_space", "momentum")
-        if space not in COMPRESSION_SPACES:
-            raise ValueError(f"compression_space must be one of {COMPRESSION_SPACES}, got {space!r}")
+        check_compression_space(space, saved=True)
         return {**{key: meta[key] for key in self._SCHEDULE}, "compression_space": space}
 
     def _apply_schedule(self, schedule: dict[str, Any], log: bool = True) -> None:
