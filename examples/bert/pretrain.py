@@ -582,13 +582,15 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import torch.distributed as dist
+
     try:
         train(parse_args(argv))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # done: no rank tears its connections down while another still uses them
     finally:
         # Leaving a gloo process group to the interpreter's exit can abort the process
         # ("terminate called without an active exception") after the work is done.
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -175,4 +175,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     main()
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its connections down while another still uses them
         dist.destroy_process_group()
