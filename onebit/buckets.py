@@ -22,6 +22,7 @@ from .collectives import CompressionState
 from .compression import SegmentLayout
 from .hierarchy import Topology, TwoLevelState
 from .kernels.reference import pack_signs
+from .shards import is_dtensor, local, local_value, shard_signature
 
 __all__ = ["Bucket", "Derived", "split_into_buckets", "set_masks", "check_grads", "grads_of", "all_finite", "build_keep_mask",
            "layout_digest", "check_layout", "ranks_differing"]
@@ -63,13 +64,20 @@ class Bucket:
     ``buffers[name]``: one float32 buffer per per-element state name, zeros at first, and
     ``views[name]``: its per-parameter views (made once: a view costs ~8 us, per tensor per step).
     ``scalars[name]``: one float64 value per parameter (a tensor of ``len(params)``).
+
+    ``owners``: the parameters as the user gave them (the keys of the optimizer's state, the
+    holders of ``.grad``); ``params``: the tensors the maths updates, the same objects except for
+    DTensors (FSDP2, tensor parallel), whose local shards they are (see :mod:`onebit.shards`;
+    :meth:`refresh` takes them afresh). Shapes and sizes here are the local ones.
     """
 
     def __init__(self, group_index: int, params: list[torch.Tensor], world_size: int, compress: bool,
                  scale_block_size: int | None, buffers: Sequence[str], scalars: Mapping[str, float],
                  topology: Topology | None = None) -> None:
         self.group_index = group_index
-        self.params = params
+        self.owners = params
+        self.sharded = any(is_dtensor(p) for p in params)
+        self.params = [local(p) for p in params] if self.sharded else params
         self.device = params[0].device
         numels = [p.numel() for p in params]
         self.numel = sum(numels)
@@ -102,6 +110,18 @@ class Bucket:
             self.compression = TwoLevelState(self.padded, self.layout.edges, topology, self.device)
         elif compress:
             self.compression = CompressionState(self.padded, world_size, self.device, self.layout.edges)
+
+    def refresh(self) -> None:
+        """Take the local shards of DTensor parameters afresh (FSDP re-points a shard's storage when
+        a state dict was loaded into the model before its first forward)."""
+        if self.sharded:
+            self.params = [local(p) for p in self.owners]
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """The gradients of the parameters (local shards of DTensor gradients), None where absent."""
+        if not self.sharded:
+            return [p.grad for p in self.owners]
+        return [None if p.grad is None else local(p.grad) for p in self.owners]
 
     def invalidate(self, everything: bool = True) -> None:
         """Forget what was derived from the state (after a load or a copy: everything; after some
@@ -205,21 +225,22 @@ class Held:
 
 def split_into_buckets(params: list[torch.Tensor], bucket_size: int) -> list[list[torch.Tensor]]:
     """The trainable ``params`` by device, in runs of at most ``bucket_size`` elements (a larger
-    tensor is a run of its own)."""
+    tensor is a run of its own; a DTensor counts its local shard)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
         if p.requires_grad:
-            by_device.setdefault(p.device, []).append(p)
+            by_device.setdefault(local(p).device, []).append(p)
     runs = []
     for tensors in by_device.values():
         run: list[torch.Tensor] = []
         size = 0
         for p in tensors:
-            if run and size + p.numel() > bucket_size:
+            numel = local(p).numel()  # a DTensor's local shard
+            if run and size + numel > bucket_size:
                 runs.append(run)
                 run, size = [], 0
             run.append(p)
-            size += p.numel()
+            size += numel
         if run:
             runs.append(run)
     return runs
@@ -232,7 +253,7 @@ def set_masks(buckets: list[Bucket], masks: Mapping[torch.Tensor, torch.Tensor],
         raise TypeError(f"momentum_masks must be a mapping {{param: mask}}, got {type(masks).__name__}")
     located = {}
     for bucket in buckets:
-        for i, p in enumerate(bucket.params):
+        for i, p in enumerate(bucket.owners):
             located[id(p)] = (bucket, i)
     checked = []
     for param, mask in masks.items():
@@ -258,6 +279,8 @@ def set_masks(buckets: list[Bucket], masks: Mapping[torch.Tensor, torch.Tensor],
                 raise TypeError(f"momentum mask must be bool or 0/1 numbers, got dtype {mask.dtype}")
             if not bool(((mask == 0) | (mask == 1)).all()):
                 raise ValueError("momentum mask must contain only 0 and 1 (or be a bool tensor)")
+        if is_dtensor(param):  # a full mask, or one laid out like the parameter: this rank's shard of it
+            mask = local_value(mask, param)
         checked.append((located[id(param)], mask))
     for (bucket, i), mask in checked:
         if bucket.mask is None:
@@ -271,13 +294,14 @@ def _gather_grads(bucket: Bucket, inv_scale: torch.Tensor | None, dense: bool) -
     per-parameter views of it: end to end (``dense``, see :meth:`Bucket.dense_grads`) or in the
     bucket's padded layout (``'grad'``)."""
     views = bucket.dense_grads() if dense else [bucket.scratch("grad")[s] for s in bucket.slices]
-    for view, p in zip(views, bucket.params):
-        if p.grad is None:
+    grads = bucket.grads()
+    for view, g in zip(views, grads):
+        if g is None:
             view.zero_()
         else:
-            view.copy_(p.grad.reshape(-1))
+            view.copy_(g.reshape(-1))
     if dense:
-        bucket.presence().copy_(torch.tensor([float(p.grad is not None) for p in bucket.params]))
+        bucket.presence().copy_(torch.tensor([float(g is not None) for g in grads]))
     if inv_scale is not None:
         torch._foreach_mul_(views, inv_scale.to(bucket.device))
     return [view.view(p.shape) for view, p in zip(views, bucket.params)]
@@ -291,9 +315,10 @@ def grads_of(bucket: Bucket, full_precision: bool, inv_scale: torch.Tensor | Non
     buffer, returned as views of it: for a full-precision all-reduce (``full_precision``), the
     gradients end to end, so that exactly their bytes travel (:meth:`Bucket.averaged_grad` spreads
     them into the padded layout); else (GradScaler, other dtypes) the padded layout."""
-    if not full_precision and inv_scale is None and all(
-            p.grad is None or p.grad.dtype == torch.float32 for p in bucket.params):
-        return [p.grad for p in bucket.params]
+    if not full_precision and inv_scale is None:
+        grads = bucket.grads()
+        if all(g is None or g.dtype == torch.float32 for g in grads):
+            return grads
     return _gather_grads(bucket, inv_scale, dense=full_precision)
 
 
@@ -350,10 +375,16 @@ def pack_keep(keep: torch.Tensor) -> torch.Tensor:
 def check_grads(buckets: list[Bucket], owner: str) -> None:
     """Every present gradient is dense, of its parameter's shape, on its device."""
     for bucket in buckets:
-        for p in bucket.params:
+        for p in bucket.owners:
             g = p.grad
             if g is None:
                 continue
+            if is_dtensor(p) and (not is_dtensor(g) or tuple(g.placements) != tuple(p.placements)):
+                laid = tuple(g.placements) if is_dtensor(g) else "a plain tensor"
+                raise ValueError(
+                    f"the gradient of a DTensor parameter laid out as {tuple(p.placements)} is {laid}; onebit "
+                    "averages local shards, which needs the gradient laid out like its parameter (as FSDP2 and "
+                    "parallelize_module leave it)")
             if g.is_sparse:
                 raise ValueError(f"{owner} does not support sparse gradients; use dense embeddings (sparse=False)")
             if g.shape != p.shape:
@@ -367,8 +398,14 @@ def layout_digest(buckets: list[Bucket]) -> str:
     two-level all-reduce's nodes, ranks per node and variant, whose errors have other shapes) does."""
     description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
                          None if b.layout is None else b.layout.edges,
-                         [(tuple(p.shape), str(p.dtype)) for p in b.params], *_two_level(b)) for b in buckets])
+                         [(tuple(p.shape), str(p.dtype)) for p in b.params], *_two_level(b), *_shards(b)) for b in buckets])
     return hashlib.sha256(description.encode()).hexdigest()[:16]
+
+
+def _shards(bucket: Bucket) -> list[list[tuple[Any, ...]]]:
+    """``[signatures]`` of a bucket of DTensor shards (:func:`onebit.shards.shard_signature`), else
+    ``[]`` (digests of plain parameters stay what they were)."""
+    return [[shard_signature(p) for p in bucket.owners]] if bucket.sharded else []
 
 
 def _two_level(bucket: Bucket) -> list[tuple[int, int, str]]:
@@ -386,6 +423,14 @@ def check_layout(buckets: list[Bucket], backend: Any) -> None:
     if not buckets:
         return
     differ = ranks_differing(backend, bytes.fromhex(layout_digest(buckets)), buckets[0].device)
+    if differ and any(b.sharded for b in buckets):
+        raise ValueError(
+            f"the parameter layout differs between the ranks of this optimizer's group: ranks {differ} hold "
+            "other shards of the DTensor parameters than rank 0 (or other shapes, dtypes, param groups or "
+            "bucket_size); onebit averages local shards over its group, which must be the data-parallel "
+            "dimension whose ranks hold the same shards: pass group=mesh['replicate'] (HSDP) or "
+            "group=mesh['dp'] (tensor parallel), the mesh dimension FSDP and parallelize_module do not use"
+        )
     if differ:
         raise ValueError(
             f"the parameter layout differs between ranks: ranks {differ} do not match rank 0 (their "

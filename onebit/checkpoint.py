@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .engine import OnebitOptimizer
+from .state import saved_step
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     mine = None
     backend = optimizer.backend
     if exact_resume:
-        step = sd.get("onebit", {}).get("step") if isinstance(sd, Mapping) else None
+        step = saved_step(sd)
         mine, reason = _own_part(path, manifest, optimizer, step, model)
         if backend.world_size > 1:  # restore everywhere or nowhere
             flag = torch.tensor([0.0 if mine is None else 1.0], device=_device(optimizer))

@@ -33,6 +33,7 @@ from .kernels import KernelSet, get_kernels
 from .lifecycle import Lifecycle
 from .state import StateDictContract
 from .hierarchy import Topology, build_topology, check_hierarchy
+from .shards import check_whole_tensors
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import check_common_group, check_engine_options, check_flag, check_params, refuse_unknown
 
@@ -58,7 +59,11 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         backend: a :class:`onebit.backends.CommBackend` object instead of a name.
         cuda_aware: with ``'mpi'``: hand device buffers straight to a CUDA-aware MPI.
         group: the process group (torch.distributed) or communicator (mpi4py) of the data-parallel
-            ranks; default the whole job.
+            ranks, or a 1-D ``DeviceMesh`` (e.g. ``mesh['replicate']``); default the whole job. With
+            DTensor parameters (FSDP2, tensor parallel) the optimizer updates each rank's local
+            shard and keeps state for it only; ``group`` must then be the mesh dimension whose
+            ranks hold the same shards (HSDP's replicate dimension, the "dp" dimension of tensor
+            parallelism): the first step checks it.
         momentum_masks: ``{param: mask}``; where ``mask`` is 0 the momentum is kept exactly 0
             (e.g. position-embedding rows beyond the sequence length in use). Same shape and
             device as the parameter; bool or 0/1 floats. Not saved in checkpoints.
@@ -115,6 +120,8 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
     # parameter left alone for want of a gradient keeps its other state as it was).
     _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ()
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
+    # Whether the update reads whole-tensor quantities (LAMB's norms), which a shard alone does not have.
+    _WHOLE_TENSOR_UPDATE: ClassVar[bool] = False
     PLAN_NAMES: ClassVar[tuple[str, ...]] = ()
 
     # torch.amp.GradScaler: set ``grad_scale``/``found_inf`` on the optimizer and always call step().
@@ -212,7 +219,7 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         """Per parameter of ``bucket``, whether step of ``plan`` has work for it on this rank: it
         has a gradient. Parameters with work on no rank are left alone, with their state, as in
         torch.optim."""
-        return [p.grad is not None for p in bucket.params]
+        return [p.grad is not None for p in bucket.owners]
 
     def _before_update(self, bucket: Bucket, t: int) -> None:
         """Allocate what step ``t`` would allocate for ``bucket`` (called before some of its
@@ -232,11 +239,11 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         ``dead``: how many coordinates :meth:`_dead` gave."""
 
     def _schedule_state(self) -> dict[str, Any]:
-        """The schedule settings saved in ``state_dict()['onebit']``."""
+        """The schedule settings saved in ``state_dict()['param_groups'][i]['onebit']``."""
         return {}
 
     def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate the schedule settings of a saved ``state_dict()['onebit']``; return them."""
+        """Validate the schedule settings of a saved ``state_dict()['param_groups'][i]['onebit']``; return them."""
         return {}
 
     def _apply_schedule(self, schedule: dict[str, Any]) -> None:
@@ -270,10 +277,12 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
     def _build_group_buckets(self, index: int) -> None:
         group = self.param_groups[index]
         for params in split_into_buckets(group["params"], self.bucket_size):
+            if self._WHOLE_TENSOR_UPDATE:
+                check_whole_tensors(params, type(self).__name__)
             bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
                             [name for name in self._BUFFERS if name not in self._LAZY], self._SCALARS,
                             topology=self._topology)
-            for i, p in enumerate(params):
+            for i, p in enumerate(bucket.owners):
                 self.state[p] = {**{name: views[i] for name, views in bucket.views.items()},
                                  **{name: values[i] for name, values in bucket.scalars.items()}}
             if bucket.device not in self._kernels:
@@ -292,14 +301,14 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         """Allocate the lazy buffer ``name`` of ``bucket`` (zeros) and enter it in the state."""
         if name not in bucket.buffers:
             bucket.add_buffer(name)
-            for p, view in zip(bucket.params, bucket.views[name]):
+            for p, view in zip(bucket.owners, bucket.views[name]):
                 self.state[p][name] = view
 
     def _release(self, bucket: Bucket, name: str) -> None:
         """Free the lazy buffer ``name`` of ``bucket``."""
         if name in bucket.buffers:
             bucket.drop_buffer(name)
-            for p in bucket.params:
+            for p in bucket.owners:
                 self.state[p].pop(name, None)
 
     # ----------------------------------------------------------------- public state
@@ -438,6 +447,8 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                 loss = closure()
         if self._trainable() != self._trainable_at_build:
             self._rebuild_buckets()
+        for bucket in self._buckets:
+            bucket.refresh()
         check_grads(self._buckets, type(self).__name__)
         start = time.perf_counter()
         t = self._step + 1
@@ -642,7 +653,7 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         names = group.get("param_names")
         index = {id(p): i for i, p in enumerate(group["params"])}
         return [(value, names[index[id(p)]] if names else f"parameter {index[id(p)]} of group {bucket.group_index} "
-                 f"(shape {tuple(p.shape)})") for value, p in zip(steps.tolist(), bucket.params)]
+                 f"(shape {tuple(p.shape)})") for value, p in zip(steps.tolist(), bucket.owners)]
 
     def _device(self) -> torch.device:
         return self._buckets[0].device if self._buckets else torch.device("cpu")

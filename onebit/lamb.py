@@ -87,6 +87,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq", "exp_avg_sq_fresh")
     _SCALARS: ClassVar[dict[str, float]] = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0}
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff")
+    _WHOLE_TENSOR_UPDATE: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -99,7 +99,7 @@ class Lifecycle:
         saved = {p: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
                  for p, entry in self.state.items() if isinstance(p, torch.Tensor)}
         for bucket in self._buckets:
-            for p in bucket.params:
+            for p in bucket.owners:
                 del self.state[p]
         self._buckets = []
         for index in range(len(self.param_groups)):
@@ -107,10 +107,10 @@ class Lifecycle:
         owned = set(self._BUFFERS) | set(self._SCALARS)
         for bucket in self._buckets:
             for name in self._LAZY:
-                if any(name in saved.get(p, {}) for p in bucket.params):
+                if any(name in saved.get(p, {}) for p in bucket.owners):
                     self._allocate(bucket, name)
             newcomers = []
-            for i, p in enumerate(bucket.params):
+            for i, p in enumerate(bucket.owners):
                 entry = saved.pop(p, None)
                 if entry is None:
                     newcomers.append(i)
@@ -124,7 +124,7 @@ class Lifecycle:
                 self._adopt(bucket, i, newcomers)
         for p, entry in saved.items():  # frozen now: their state waits for them
             self.state[p] = entry
-        located = {id(p) for bucket in self._buckets for p in bucket.params}
+        located = {id(p) for bucket in self._buckets for p in bucket.owners}
         set_masks(self._buckets, {p: m for p, m in self._momentum_masks.items() if id(p) in located}, self._MASKED)
         self._invalidate()
         self._layout_checked = False

@@ -1,19 +1,27 @@
 """The ``state_dict`` contract of every onebit optimizer (used by :class:`onebit.engine.OnebitOptimizer`).
 
-Format (version 2)::
+Format (version 3)::
 
     {
       "state": {index: {name: Tensor, ..., scalar: float, ...}, ...},  # tensors shaped like each param
-      "param_groups": [{<the algorithm's group hyperparameters>, "compress", "params": [index, ...]}, ...],
-      "onebit": {"format_version": 2, "algorithm": "OnebitAdam", "step": int, <its schedule>},
+      "param_groups": [{<the algorithm's group hyperparameters>, "compress", "params": [index, ...],
+                        "onebit": {"format_version": 3, "algorithm": "OnebitAdam", "step": int, <its schedule>}},
+                       ...],
     }
+
+The ``"onebit"`` entry is the same in every group: groups and per-parameter state are all that
+``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` keeps (version 2 had it at the top
+level, and still loads). For DTensor parameters (FSDP2, tensor parallel) each per-element tensor
+is a DTensor laid out like its parameter, over this rank's shard, so that DCP saves every shard
+once and reshards on load; a full tensor (from an unsharded run) loads into a sharded optimizer too.
 
 The per-parameter names are the algorithm's (``OnebitAdam``: ``exp_avg``, ``exp_avg_sq``), and so
 is the schedule (``freeze_step`` for 1-bit Adam and 1-bit LAMB). Parameters are numbered in
 param-group order, as ``torch.optim`` does. Nothing depends on the world size: compression errors
 are rank-local and are reset on load (``onebit.save_checkpoint(..., exact_resume=True)`` keeps
 them per rank); masks belong to the model code and are given to the constructor. Version 1 (onebit
-0.1's ``OnebitAdam``, without ``algorithm``) still loads into ``OnebitAdam``.
+0.1's ``OnebitAdam``, without ``algorithm``) still loads into ``OnebitAdam``. Loading never
+communicates for tensors laid out like their parameters, full or sharded.
 """
 
 from __future__ import annotations
@@ -28,16 +36,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .buckets import layout_digest
+from .shards import is_dtensor, like_param, local, local_value
 
 if TYPE_CHECKING:
     from .engine import OnebitOptimizer
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 logger = logging.getLogger("onebit.engine")
 
 __all__ = ["FORMAT_VERSION", "StateDictContract", "build_state_dict", "validate_state_dict", "check_compression_errors",
-           "apply_state", "LoadedState"]
+           "apply_state", "LoadedState", "saved_step"]
 
 
 @dataclass
@@ -51,6 +60,8 @@ class LoadedState:
 
 
 def build_state_dict(opt: OnebitOptimizer) -> dict[str, Any]:
+    meta = {"format_version": FORMAT_VERSION, "algorithm": type(opt).__name__, "step": opt.step_count,
+            **opt._schedule_state()}
     index_of: dict[int, int] = {}
     groups = []
     for group in opt.param_groups:
@@ -60,6 +71,7 @@ def build_state_dict(opt: OnebitOptimizer) -> dict[str, Any]:
             ids.append(index_of[id(p)])
         saved = {k: (tuple(v) if k == "betas" else v) for k, v in group.items() if k != "params"}
         saved["params"] = ids
+        saved["onebit"] = dict(meta)
         groups.append(saved)
     owned = set(opt._BUFFERS) | set(opt._SCALARS)
     state: dict[Any, Any] = {}
@@ -68,12 +80,10 @@ def build_state_dict(opt: OnebitOptimizer) -> dict[str, Any]:
             state[key] = entry  # an entry a tool keeps under a key of its own: as torch does, kept as it is
             continue
         state[index_of[id(key)]] = {
-            name: (value.clone() if name in opt._BUFFERS else float(value)) if name in owned else value
+            name: (like_param(value.clone(), key) if name in opt._BUFFERS else float(value)) if name in owned else value
             for name, value in entry.items()
         }
-    meta = {"format_version": FORMAT_VERSION, "algorithm": type(opt).__name__, "step": opt.step_count,
-            **opt._schedule_state()}
-    return {"state": state, "param_groups": groups, "onebit": meta}
+    return {"state": state, "param_groups": groups}
 
 
 def _fail(message: str) -> None:
@@ -91,13 +101,10 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
     owner = type(opt).__name__
     if not isinstance(sd, Mapping):
         _fail(f"expected a dict from {owner}.state_dict(), got {type(sd).__name__}")
-    missing = [k for k in ("state", "param_groups", "onebit") if k not in sd]
+    missing = [k for k in ("state", "param_groups") if k not in sd]
     if missing:
-        hint = f" (this looks like a torch.optim state dict, not {owner}'s)" if "onebit" in missing else ""
-        _fail(f"missing keys {missing}{hint}")
-    meta = sd["onebit"]
-    if not isinstance(meta, Mapping):
-        _fail(f"'onebit' must be a dict, got {type(meta).__name__}")
+        _fail(f"missing keys {missing}")
+    meta = _meta(sd, owner)
     version = _check_int("format_version", meta.get("format_version"), 1)
     if version > FORMAT_VERSION:
         _fail(f"format_version {version} is newer than this onebit supports ({FORMAT_VERSION}); upgrade onebit")
@@ -128,7 +135,7 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
         if saved.get("compress", True) != live["compress"]:
             _fail(f"param group {g} has compress={saved.get('compress')!r} in the checkpoint and "
                   f"compress={live['compress']!r} here; build the optimizer with the same groups")
-        hyper = {k: v for k, v in saved.items() if k != "params"}  # a scheduler's initial_lr too, as torch keeps it
+        hyper = {k: v for k, v in saved.items() if k not in ("params", "onebit")}  # a scheduler's initial_lr too, as torch keeps it
         hyper["betas"] = tuple(hyper["betas"]) if isinstance(hyper["betas"], (list, tuple)) else hyper["betas"]
         try:
             opt._check_group({**hyper, "compress": live["compress"]})
@@ -149,11 +156,39 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
     others = {key: value for key, value in state.items() if key not in params_by_index}
     index_of = {id(p): index for index, p in params_by_index.items()}
     for bucket in opt._buckets:  # a bucket's lazy buffers exist for all its parameters or none
-        present = {frozenset(n for n in opt._LAZY if n in entries.get(index_of[id(p)], {})) for p in bucket.params}
+        present = {frozenset(n for n in opt._LAZY if n in entries.get(index_of[id(p)], {})) for p in bucket.owners}
         if len(present) > 1:
             _fail(f"some parameters of one bucket have {'/'.join(opt._LAZY)} and others do not; the checkpoint "
                   "is corrupt")
     return LoadedState(step, schedule, hypers, entries, others)
+
+
+def _meta(sd: Mapping[str, Any], owner: str) -> Mapping[str, Any]:
+    """The ``"onebit"`` entry: in every param group (version 3), or at the top level (1 and 2)."""
+    if "onebit" in sd:
+        meta = sd["onebit"]
+    else:
+        groups = sd["param_groups"]
+        metas = [g.get("onebit") for g in groups if isinstance(g, Mapping)] if isinstance(groups, (list, tuple)) else []
+        if not metas or any(m is None for m in metas):
+            _fail(f"no 'onebit' entry in its param groups (this looks like a torch.optim state dict, not {owner}'s)")
+        if any(m != metas[0] for m in metas[1:]):
+            _fail("the param groups disagree on their 'onebit' entry (step, schedule); the checkpoint is corrupt")
+        meta = metas[0]
+    if not isinstance(meta, Mapping):
+        _fail(f"'onebit' must be a dict, got {type(meta).__name__}")
+    return meta
+
+
+def saved_step(sd: Any) -> Any:
+    """The step a state dict says it was saved at (either format), or None where it says none."""
+    if not isinstance(sd, Mapping):
+        return None
+    meta = sd.get("onebit")
+    if meta is None and isinstance(sd.get("param_groups"), (list, tuple)) and sd["param_groups"]:
+        first = sd["param_groups"][0]
+        meta = first.get("onebit") if isinstance(first, Mapping) else None
+    return meta.get("step") if isinstance(meta, Mapping) else None
 
 
 def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: Any) -> dict[str, Any]:
@@ -162,6 +197,7 @@ def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: An
         _fail(f"no {'/'.join(names)} for parameter {index} of shape {tuple(p.shape)}; "
               "was it saved from a different model?")
     names += [name for name in opt._LAZY if name in entry]
+    buffers = {}
     for name in (name for name in opt._BUFFERS if name in names):
         t = entry[name]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -169,6 +205,15 @@ def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: An
         if t.shape != p.shape:
             _fail(f"{name} of parameter {index} has shape {tuple(t.shape)}, the parameter has "
                   f"{tuple(p.shape)}; was it saved from a different model?")
+        if is_dtensor(t) or is_dtensor(p):  # checked and loaded as this rank's shard
+            try:
+                t = local_value(t, p)
+            except ValueError as exc:
+                _fail(f"{name} of parameter {index}: {exc}")
+            if t.shape != local(p).shape:
+                _fail(f"{name} of parameter {index} has a local shard of shape {tuple(t.shape)}, the parameter's is "
+                      f"{tuple(local(p).shape)}")
+        buffers[name] = t
         if not bool(torch.isfinite(t).all()):
             _fail(f"{name} of parameter {index} contains NaN or inf; the checkpoint is corrupt")
         if name in opt._NONNEGATIVE and bool((t < 0).any()):
@@ -180,7 +225,7 @@ def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: An
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             _fail(f"{name} of parameter {index} must be a finite number, got {value!r}")
     owned = set(opt._BUFFERS) | set(opt._SCALARS)
-    return {**{name: entry[name] for name in names}, **{k: v for k, v in entry.items() if k not in owned}}
+    return {**{name: buffers.get(name, entry[name]) for name in names}, **{k: v for k, v in entry.items() if k not in owned}}
 
 
 def check_compression_errors(opt: OnebitOptimizer, errors: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
@@ -200,7 +245,7 @@ def apply_state(opt: OnebitOptimizer, loaded: LoadedState) -> None:
     params = [p for group in opt.param_groups for p in group["params"]]
     entry_of = {id(p): loaded.entries.get(index, {}) for index, p in enumerate(params)}
     for bucket in opt._buckets:
-        present = entry_of[id(bucket.params[0])]
+        present = entry_of[id(bucket.owners[0])]
         for name in opt._LAZY:
             if name in present:
                 opt._allocate(bucket, name)

@@ -110,8 +110,8 @@ def test_newer_formats_are_rejected(tmp_path):
     model, opt = _local()
     path = tmp_path / "ckpt.pt"
     save_checkpoint(path, opt, model=model)
-    _rewrite_state_part(path, lambda state: state["optimizer"]["onebit"].update(format_version=3))
-    with pytest.raises(ValueError, match="format_version 3 is newer than this onebit supports"):
+    _rewrite_state_part(path, lambda state: [g["onebit"].update(format_version=4) for g in state["optimizer"]["param_groups"]])
+    with pytest.raises(ValueError, match="format_version 4 is newer than this onebit supports"):
         load_checkpoint(path, opt, model=model)
     manifest = torch.load(path, weights_only=True)
     torch.save({**manifest, "version": 3}, path)

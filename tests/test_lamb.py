@@ -446,8 +446,8 @@ def test_state_dict_round_trip(steps, phase):
         _set_grads(net, 0, t)
         opt.step()
     sd = opt.state_dict()
-    assert sd["onebit"]["algorithm"] == "OnebitLamb"
-    assert sd["onebit"]["step"] == steps and sd["onebit"]["freeze_step"] == FREEZE
+    assert sd["param_groups"][0]["onebit"]["algorithm"] == "OnebitLamb"
+    assert sd["param_groups"][0]["onebit"]["step"] == steps and sd["param_groups"][0]["onebit"]["freeze_step"] == FREEZE
     net2 = Net()
     net2.load_state_dict(net.state_dict())
     opt2 = _optimizer(net2, "local", freeze_step=FREEZE + 5)  # the checkpoint's freeze_step wins

@@ -288,13 +288,26 @@ def _same(a, b) -> bool:
 def test_state_dict_is_a_world_size_independent_copy():
     model, opt = _trained(5)
     sd = opt.state_dict()
-    assert sd["onebit"] == {"format_version": 2, "algorithm": "OnebitAdam", "step": 5, "freeze_step": 3}
+    assert sd["param_groups"][0]["onebit"] == {"format_version": 3, "algorithm": "OnebitAdam", "step": 5, "freeze_step": 3}
     for index, p in enumerate(model.parameters()):
         assert sd["state"][index]["exp_avg"].shape == p.shape
         assert set(sd["state"][index]) == {"exp_avg", "exp_avg_sq"}
     saved = sd["state"][0]["exp_avg"].clone()
     _train(model, opt, 2, start=5)
     assert torch.equal(sd["state"][0]["exp_avg"], saved)  # later steps do not leak into the copy
+
+
+def test_a_format_2_state_dict_still_loads():
+    """Format 2 kept the "onebit" entry at the top level; format 3 keeps it in every param group
+    (where torch.distributed.checkpoint's get_optimizer_state_dict keeps it)."""
+    _, opt = _trained(5)
+    sd = opt.state_dict()
+    old = {"state": sd["state"], "param_groups": [{k: v for k, v in g.items() if k != "onebit"} for g in sd["param_groups"]],
+           "onebit": {**sd["param_groups"][0]["onebit"], "format_version": 2}}
+    _, opt2 = _trained(2)
+    opt2.load_state_dict(old)
+    assert opt2.step_count == 5 and opt2.state_dict()["param_groups"] == sd["param_groups"]
+    assert all(torch.equal(opt2.state_dict()["state"][i]["exp_avg"], sd["state"][i]["exp_avg"]) for i in sd["state"])
 
 
 def test_checkpoint_round_trip_continues_identically_after_the_error_reset():
@@ -333,13 +346,14 @@ def _corrupt(sd, how):
     elif how == "groups":
         sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0]))
     elif how == "version":
-        sd["onebit"]["format_version"] = 99
+        sd["param_groups"][0]["onebit"]["format_version"] = 99
     elif how == "nan":
         sd["state"][0]["exp_avg_sq"][0, 0] = float("nan")
     elif how == "torch":
-        del sd["onebit"]
+        for group in sd["param_groups"]:
+            del group["onebit"]
     elif how == "step":
-        sd["onebit"]["step"] = -1
+        sd["param_groups"][0]["onebit"]["step"] = -1
     elif how == "lr":
         sd["param_groups"][0]["lr"] = -1.0
     return sd
@@ -353,7 +367,7 @@ def _corrupt(sd, how):
         ("groups", r"2 param groups, this optimizer has 1"),
         ("version", r"format_version 99 is newer"),
         ("nan", r"contains NaN or inf"),
-        ("torch", r"missing keys \['onebit'\].*torch.optim state dict"),
+        ("torch", r"no 'onebit' entry in its param groups.*torch.optim state dict"),
         ("step", r"step must be an int >= 0, got -1"),
         ("lr", r"param group 0: invalid lr: -1.0"),
     ],
@@ -366,7 +380,6 @@ def test_bad_checkpoint_is_rejected_without_changing_the_optimizer(how, pattern)
     with pytest.raises(ValueError, match=pattern):
         opt2.load_state_dict(bad)
     after = opt2.state_dict()
-    assert after["onebit"] == before["onebit"]
     assert all(torch.equal(after["state"][i]["exp_avg"], before["state"][i]["exp_avg"]) for i in before["state"])
     assert after["param_groups"] == before["param_groups"]
 

@@ -121,7 +121,7 @@ def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkp
         masked_zero.append(bool(torch.all(opt.state[model[0].weight]["exp_avg"][5:] == 0)))
     if checkpoint_out is not None and rank == 0:
         sd = opt.state_dict()
-        torch.save({"params": snapshots[-1], "optimizer": sd, "step": sd["onebit"]["step"],
+        torch.save({"params": snapshots[-1], "optimizer": sd, "step": sd["param_groups"][0]["onebit"]["step"],
                     "state": sd["state"]}, checkpoint_out)
     return {"snapshots": snapshots, "masked_zero": masked_zero, "phase": opt.phase, "stats": opt.comm_stats(),
             "buckets": [b.numel for b in opt._buckets]}
@@ -230,7 +230,7 @@ def test_checkpoint_saved_on_2_ranks_loads_on_3(tmp_path):
     path = tmp_path / "ckpt.pt"
     run_ranks(_train_rank, 2, tmp_path, 5, 3, None, str(path))
     saved = torch.load(path)
-    assert saved["optimizer"]["onebit"]["step"] == 5
+    assert saved["optimizer"]["param_groups"][0]["onebit"]["step"] == 5
     results = run_ranks(_train_rank, 3, tmp_path, 3, 3, str(path))
     assert results[0]["phase"] == "compression"
     # The 3-rank continuation equals the simulation of 3 ranks started from the checkpoint with

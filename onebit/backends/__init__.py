@@ -6,6 +6,7 @@ import os
 
 from .base import CommBackend
 from .local import LocalBackend
+from ..shards import mesh_group
 
 __all__ = ["CommBackend", "LocalBackend", "BACKEND_NAMES", "resolve_backend"]
 
@@ -41,6 +42,7 @@ def resolve_backend(
       when the launcher reports a single process; a multi-process launch without an initialized
       process group raises instead of letting ranks train apart.
     """
+    group = mesh_group(group)  # a 1-D DeviceMesh: its process group
     if backend is not None:
         if comm_backend_name is not None:
             raise ValueError(
