@@ -78,8 +78,8 @@ class Bucket:
         self.owners = params
         self.sharded = any(is_dtensor(p) for p in params)
         self.params = [local(p) for p in params] if self.sharded else params
-        self.device = params[0].device
-        numels = [p.numel() for p in params]
+        self.device = self.params[0].device
+        numels = [p.numel() for p in self.params]
         self.numel = sum(numels)
         if compress:
             self.layout: SegmentLayout | None = SegmentLayout.build(numels, world_size, scale_block_size)
@@ -94,7 +94,7 @@ class Bucket:
         self.views: dict[str, list[torch.Tensor]] = {}
         for name in buffers:
             self.add_buffer(name)
-        self.scalars = {name: torch.full((len(params),), value, dtype=torch.float64, device=self.device)
+        self.scalars = {name: torch.full((len(self.params),), value, dtype=torch.float64, device=self.device)
                         for name, value in scalars.items()}
         # Flat scratch buffers (e.g. the gathered, all-reduced gradient and the update direction),
         # allocated on first use; see scratch().
@@ -104,7 +104,7 @@ class Bucket:
         # object, replaced by invalidate() whenever the state changes from outside a step.
         self.derived = Derived()
         self.compressed: torch.Tensor | None = None  # the buffer of the last compressed step
-        self.same_dtype = all(p.dtype == torch.float32 for p in params)
+        self.same_dtype = all(p.dtype == torch.float32 for p in self.params)
         self.compression: CompressionState | TwoLevelState | None = None
         if compress and topology is not None:
             self.compression = TwoLevelState(self.padded, self.layout.edges, topology, self.device)
