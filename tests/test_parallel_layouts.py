@@ -16,7 +16,7 @@ most of a distributed test's time):
 
 from __future__ import annotations
 
-import logging
+import copy
 
 import pytest
 import torch
@@ -174,3 +174,108 @@ def test_hsdp_recipe_warmup_equals_native_hsdp_and_replicas_stay_identical(tmp_p
     # shard coordinates: ranks 0 and 2 hold the first shards (17 rows; the 1-row output layer), 1 and 3 the rest
     assert results[0]["local_shapes"] == [(17, 16), (17,), (1, 33), (1,)]
     assert results[1]["local_shapes"] == [(16, 16), (16,), (0, 33), (0,)]
+
+
+def _tp_mlp() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+
+def _adamw_step_rel(model, reference) -> float:
+    return max(float((a.detach().to_local() - b.detach().to_local()).norm() / b.detach().to_local().norm().clamp_min(1e-30))
+               for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def _tensor_parallel(rank: int, world: int, dp, tp) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    model = parallelize_module(_tp_mlp(), tp, plan)
+    reference = parallelize_module(_tp_mlp(), tp, plan)
+    dp_group = dp.get_group()
+    dp_rank = dp.get_local_rank()
+    adamw = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = OnebitAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, bias_correction=True,
+                     freeze_step=FREEZE, group=dp)
+    result: dict = {"placements": [str(tuple(p.placements)) for p in model.parameters()], "identical": []}
+    for t in range(1, STEPS + 1):
+        x, y = _batch(dp_rank, t, 16, 16)  # the same input on both ranks of a tensor-parallel pair
+        for m in (model, reference) if t <= FREEZE else (model,):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        if t <= FREEZE:
+            for p in reference.parameters():  # the data-parallel average by hand
+                g = p.grad.to_local()
+                dist.all_reduce(g, group=dp_group)
+                g.div_(dist.get_world_size(dp_group))
+            adamw.step()
+            adamw.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if t == FREEZE:
+            result["warmup_rel"] = _adamw_step_rel(model, reference)
+        if t > FREEZE:
+            result["identical"].append(_same_over(dp_group, [p.to_local() for p in model.parameters()]))
+    return result
+
+
+def _pipeline(rank: int, world: int, pp, dp) -> dict:
+    """Two stages (ranks 0, 1: the first; 2, 3: the second), hand-written send/recv between a rank
+    and its peer of the other stage, one OnebitAdam per stage over the stage's data-parallel group."""
+    stage = pp.get_local_rank()
+    dp_rank = dp.get_local_rank()
+    torch.manual_seed(2)
+    first, second = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Tanh()), torch.nn.Linear(24, 1)
+    whole = copy.deepcopy(torch.nn.Sequential(*first, second))
+    reference = torch.optim.Adam(whole.parameters(), lr=LR, betas=BETAS, eps=EPS)
+    mine = first if stage == 0 else second
+    opt = OnebitAdam(mine.parameters(), lr=LR, betas=BETAS, eps=EPS, bias_correction=True, freeze_step=FREEZE,
+                     group=dp)
+    peer = rank + 2 if stage == 0 else rank - 2
+    result: dict = {"stage": stage, "identical": []}
+    for t in range(1, STEPS + 1):
+        x, y = _batch(dp_rank, t)
+        if stage == 0:
+            h = first(x)
+            dist.send(h.detach().contiguous(), peer)
+            grad = torch.empty_like(h)
+            dist.recv(grad, peer)
+            h.backward(grad)
+        else:
+            h = torch.empty(8, 24)
+            dist.recv(h, peer)
+            h.requires_grad_(True)
+            torch.nn.functional.mse_loss(second(h), y).backward()
+            dist.send(h.grad.contiguous(), peer)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if t <= FREEZE:  # the oracle: Adam on the whole model over both data-parallel batches
+            reference.zero_grad()
+            for r in range(dist.get_world_size(dp.get_group())):
+                xr, yr = _batch(r, t)
+                (torch.nn.functional.mse_loss(whole(xr), yr) / 2).backward()
+            reference.step()
+        if t == FREEZE:
+            theirs = list(whole[:2].parameters()) if stage == 0 else list(whole[2].parameters())
+            result["warmup_rel"] = max(float((a - b).norm() / b.norm()) for a, b in zip(mine.parameters(), theirs))
+        if t > FREEZE:
+            result["identical"].append(_same_over(dp.get_group(), [p.detach() for p in mine.parameters()]))
+    return result
+
+
+def _tp_and_pipeline(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    stages = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    return {"tp": _tensor_parallel(rank, world, mesh["dp"], mesh["tp"]),
+            "pp": _pipeline(rank, world, stages["pp"], stages["dp"])}
+
+
+def test_tensor_parallel_by_data_parallel_and_pipeline_stages(tmp_path):
+    results = run_ranks(_tp_and_pipeline, 4, tmp_path, timeout=240)
+    for rank, r in enumerate(results):
+        tp, pp = r["tp"], r["pp"]
+        assert tp["placements"] == ["(Shard(dim=0),)", "(Shard(dim=0),)", "(Shard(dim=1),)", "(Replicate(),)"]
+        assert tp["warmup_rel"] < 1e-5, (rank, tp["warmup_rel"])
+        assert all(tp["identical"]) and len(tp["identical"]) == STEPS - FREEZE
+        assert pp["stage"] == rank // 2
+        assert pp["warmup_rel"] < 1e-5, (rank, pp["warmup_rel"])
+        assert all(pp["identical"]) and len(pp["identical"]) == STEPS - FREEZE
