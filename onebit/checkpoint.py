@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .engine import OnebitOptimizer
+from .shards import is_dtensor
 from .state import saved_step
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,12 @@ def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     (one all-gather) before rank 0 commits. Without it rank 0 commits alone and the other ranks
     write nothing; a load then gives every rank rank 0's state.
     """
+    if any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            "save_checkpoint writes rank 0's state, and this optimizer's parameters are DTensors (FSDP2 or tensor "
+            "parallel) whose shards live on other ranks too; save sharded state with torch.distributed.checkpoint: "
+            "dcp.save({'model': get_model_state_dict(model), 'optim': get_optimizer_state_dict(model, optimizer)}, "
+            "checkpoint_id=...) (see examples/fsdp)")
     path = Path(path)
     backend = optimizer.backend
     rank, n = backend.rank, backend.world_size

@@ -122,7 +122,9 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
         count = len(groups) if isinstance(groups, (list, tuple)) else type(groups).__name__
         _fail(f"the checkpoint has {count} param groups, this optimizer has {len(opt.param_groups)}")
     hypers = []
-    params_by_index: dict[int, torch.Tensor] = {}
+    # saved key (an index; a name where torch.distributed.checkpoint saved it) -> (position, live parameter);
+    # as in torch.optim, saved and live parameters pair up by their order in the groups
+    params_by_key: dict[Any, tuple[int, torch.Tensor]] = {}
     for g, (saved, live) in enumerate(zip(groups, opt.param_groups)):
         if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
             _fail(f"param group {g} is not a dict with a 'params' list")
@@ -143,18 +145,22 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
             _fail(f"param group {g}: {exc}")
         hypers.append(hyper)
         for index, p in zip(saved["params"], live["params"]):
-            params_by_index[_check_int(f"param index in group {g}", index, 0)] = p
+            if isinstance(index, bool) or not isinstance(index, (int, str)) or isinstance(index, int) and index < 0:
+                _fail(f"param keys in group {g} must be ints >= 0 (or parameter names), got {index!r}")
+            if index in params_by_key:
+                _fail(f"param key {index!r} appears twice in the param groups; the checkpoint is corrupt")
+            params_by_key[index] = (len(params_by_key), p)
 
     state = sd["state"]
     if not isinstance(state, Mapping):
         _fail(f"'state' must be a dict, got {type(state).__name__}")
     entries: dict[int, dict[str, Any]] = {}
-    for index, p in params_by_index.items():
+    for key, (index, p) in params_by_key.items():
         if p not in opt.state:
             continue  # not trainable here (requires_grad=False): nothing to restore
-        entries[index] = _validate_entry(opt, index, p, state.get(index))
-    others = {key: value for key, value in state.items() if key not in params_by_index}
-    index_of = {id(p): index for index, p in params_by_index.items()}
+        entries[index] = _validate_entry(opt, index, p, state.get(key))
+    others = {key: value for key, value in state.items() if key not in params_by_key}
+    index_of = {id(p): index for index, p in params_by_key.values()}
     for bucket in opt._buckets:  # a bucket's lazy buffers exist for all its parameters or none
         present = {frozenset(n for n in opt._LAZY if n in entries.get(index_of[id(p)], {})) for p in bucket.owners}
         if len(present) > 1:

@@ -17,13 +17,14 @@ most of a distributed test's time):
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam, save_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -139,6 +140,13 @@ def _hsdp(rank: int, world: int) -> dict:
     zo.synchronize()
     result["zoadam_identical"] = _same_over(replicate, _locals(model))
 
+    # onebit's own checkpoint files hold rank 0's state: refused for shards (DCP saves them)
+    try:
+        save_checkpoint(f"/tmp/never-written-{rank}.pt", opt)
+        result["save_checkpoint"] = None
+    except ValueError as exc:
+        result["save_checkpoint"] = str(exc)
+
     # 1-bit LAMB refuses sharded parameters: its trust ratio needs whole-tensor norms
     try:
         OnebitLamb(model.parameters(), group=mesh["replicate"])
@@ -166,6 +174,7 @@ def test_hsdp_recipe_warmup_equals_native_hsdp_and_replicas_stay_identical(tmp_p
         assert r["warmup_rel"] < 1e-5, (rank, r["warmup_rel"])
         assert all(r["identical_after_switch"]), (rank, r["identical_after_switch"])
         assert r["equals_plain_tensors"]
+        assert "torch.distributed.checkpoint" in r["save_checkpoint"]
         assert r["zoadam_identical"]
         assert "whole-tensor norms" in r["lamb"] and "OnebitAdam or ZeroOneAdam" in r["lamb"]
         assert "other shards of the DTensor parameters" in r["mixed"] and "group=mesh['replicate']" in r["mixed"]
@@ -279,3 +288,113 @@ def test_tensor_parallel_by_data_parallel_and_pipeline_stages(tmp_path):
         assert pp["stage"] == rank // 2
         assert pp["warmup_rel"] < 1e-5, (rank, pp["warmup_rel"])
         assert all(pp["identical"]) and len(pp["identical"]) == STEPS - FREEZE
+
+
+# ----------------------------------------------------------------------------- universal checkpoints (DCP)
+
+DCP_FREEZE = 3
+
+
+def _full(model, opt) -> dict:
+    """Parameters, momentum and variance as full tensors (a collective for DTensors: every rank calls)."""
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+    sd = opt.state_dict()
+    return {"params": [whole(p.detach()) for p in model.parameters()],
+            "exp_avg": [whole(sd["state"][i]["exp_avg"]) for i in range(len(sd["state"]))],
+            "exp_avg_sq": [whole(sd["state"][i]["exp_avg_sq"]) for i in range(len(sd["state"]))],
+            "step": opt.step_count}
+
+
+def _layout(kind: str, rank: int):
+    """``(model, optimizer)`` of one layout: 'hsdp' (2 x 2, the recipe), 'fsdp' (4 shards, no
+    replicas: onebit over a group of one), 'ddp' (plain tensors, onebit over every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    options = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=DCP_FREEZE)
+    if kind == "ddp":
+        model = _mlp()
+        return model, OnebitAdam(model.parameters(), **options)
+    shape = (2, 2) if kind == "hsdp" else (1, 4)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = _shard_model(mesh["shard"])
+    return model, OnebitAdam(model.parameters(), group=mesh["replicate"], **options)
+
+
+def _save(model, opt, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+
+def _load(model, opt, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _checkpoint_leg(rank: int, world: int, load_from: str | None, layouts: list[str], directory: str) -> dict:
+    """Load ``load_from`` (if any) into each layout in turn, compare with what was saved, train two
+    steps, save; what each layout saved, as full tensors, is the next one's reference."""
+    import pathlib
+    lines = _Lines()
+    logging.getLogger("onebit").addHandler(lines)
+    logging.getLogger("onebit").setLevel(logging.INFO)
+    result: dict = {"loaded": [], "steps": []}
+    source = load_from
+    for n, kind in enumerate(layouts):
+        model, opt = _layout(kind, rank)
+        if source is None:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+            get_optimizer_state_dict(model, opt)  # DCP initializes empty optimizer state by calling step()
+            result["fresh_step_after_get"] = opt.step_count
+            _train(model, opt, rank, range(1, DCP_FREEZE + 3))
+        else:
+            _load(model, opt, source)
+            saved = torch.load(pathlib.Path(source) / "full.pt", weights_only=True)
+            now = _full(model, opt)
+            result["loaded"].append(all(torch.equal(a, b) for key in ("params", "exp_avg", "exp_avg_sq")
+                                        for a, b in zip(now[key], saved[key])) and now["step"] == saved["step"])
+            result.setdefault("errors_after_load", []).append(opt.comm_stats()["worker_error_norm"])
+            start = opt.step_count + 1
+            _train(model, opt, rank, range(start, start + 2))
+        result["steps"].append(opt.step_count)
+        source = f"{directory}/{kind}-{n}-{world}"
+        _save(model, opt, source)
+        full = _full(model, opt)
+        if rank == 0:
+            torch.save(full, pathlib.Path(source) / "full.pt")
+        dist.barrier()
+    result["reset_lines"] = sum("compression errors reset" in line for line in lines.lines)
+    return result
+
+
+def test_dcp_checkpoints_move_between_hsdp_fsdp_and_ddp(tmp_path):
+    """HSDP 2 x 2 -> FSDP over 4 ranks (4 ranks), -> plain DDP on 2 ranks, -> HSDP again (4 ranks):
+    parameters, momentum and variance equal as full tensors after every move, the step kept,
+    compression errors reset with one log line per load on each group's rank 0."""
+    first = run_ranks(_checkpoint_leg, 4, tmp_path / "first", None, ["hsdp", "fsdp"], str(tmp_path), timeout=240)
+    for r in first:
+        assert r["fresh_step_after_get"] == 0
+        assert r["loaded"] == [True] and r["errors_after_load"] == [0.0]
+        assert r["steps"] == [DCP_FREEZE + 2, DCP_FREEZE + 4]
+    # onebit's group in the FSDP layout is each rank alone: every rank is its group's rank 0
+    assert [r["reset_lines"] for r in first] == [1, 1, 1, 1]
+    second = run_ranks(_checkpoint_leg, 2, tmp_path / "second", f"{tmp_path}/fsdp-1-4", ["ddp"], str(tmp_path), timeout=120)
+    assert [r["loaded"] for r in second] == [[True], [True]]
+    assert [r["reset_lines"] for r in second] == [1, 0]
+    third = run_ranks(_checkpoint_leg, 4, tmp_path / "third", f"{tmp_path}/ddp-0-2", ["hsdp"], str(tmp_path), timeout=240)
+    assert all(r["loaded"] == [True] and r["steps"] == [DCP_FREEZE + 8] for r in third)
+    assert [r["reset_lines"] for r in third] == [1, 1, 0, 0]  # ranks 0 and 1: rank 0 of a replicate group
