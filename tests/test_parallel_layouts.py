@@ -129,8 +129,6 @@ def _hsdp(rank: int, world: int) -> dict:
     result["state_bytes"] = _state_bytes(opt)
     full = _mlp()
     result["unsharded_state_bytes"] = _state_bytes(OnebitAdam(full.parameters(), comm_backend_name="local"))
-    stats = opt.comm_stats()
-    result["plans"] = {name: s["steps"] for name, s in stats["plans"].items()} if "plans" in stats else None
 
     # ZeroOneAdam on the same recipe: replicas identical after every sync
     model = _shard_model(mesh["shard"])
