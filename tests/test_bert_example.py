@@ -151,6 +151,27 @@ def test_pretrain_two_ranks_crosses_freeze_step_and_resumes_bit_for_bit(tmp_path
     assert [after[i]["loss"] for i in (0, 1, 4)] == [train[i]["loss"] for i in (0, 1, 3)]
 
 
+@pytest.mark.slow
+def test_pretrain_on_the_hsdp_recipe_trains_with_identical_replicas_and_saves_a_dcp_checkpoint(tmp_path):
+    """--layout hsdp on 4 ranks: FSDP2 over pairs of ranks, 1-bit Adam across the 2 replicas, the
+    position-embedding mask given whole; the warmup crosses into compression, the replicas'
+    shards stay identical, and the checkpoint is a torch.distributed.checkpoint directory."""
+    out = tmp_path / "hsdp"
+    args = ["--config", str(EXAMPLE / "configs" / "onebit_gloo.json"), "--freeze-step", "4", "--steps", "8",
+            "--corpus", "pydoc", "--limit-chars", "80000", "--vocab-size", "512", "--model", "micro", "--seq-len", "32",
+            "--batch-size", "4", "--lr-warmup", "2", "--eval-every", "4", "--log-every", "2",
+            "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--layout", "hsdp", "--out", str(out)]
+    bert_compare.launch(args, 4, out, timeout=RUN_TIMEOUT_S, quiet=True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["params_in_sync"] and summary["world_size"] == 4
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    stats = summary["comm_stats"]
+    assert stats["warmup"]["steps"] == 4 and stats["compression"]["steps"] == 4
+    # each rank sends its shard across the replicas only: about half of the model's gradient bytes in warmup
+    assert stats["warmup"]["bytes_sent"] / stats["compression"]["bytes_sent"] >= 20
+    assert (out / "checkpoint_dcp" / ".metadata").is_file() and not (out / "checkpoint.pt").exists()
+
+
 def test_resume_refuses_a_missing_checkpoint_or_other_settings(tmp_path):
     args = pretrain.parse_args(["--out", str(tmp_path), "--resume"])
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):

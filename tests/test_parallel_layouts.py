@@ -130,6 +130,18 @@ def _hsdp(rank: int, world: int) -> dict:
     full = _mlp()
     result["unsharded_state_bytes"] = _state_bytes(OnebitAdam(full.parameters(), comm_backend_name="local"))
 
+    # a momentum mask given whole (as for an unsharded model) applies to each rank's shard of it
+    model = _shard_model(mesh["shard"])
+    weight = model[0].weight
+    mask = torch.ones(33, 16)
+    mask[::3] = 0  # rows 0, 3, ..., 15 on the first shard; 18, 21, ... (local rows 1, 4, ...) on the second
+    masked = OnebitAdam(model.parameters(), lr=LR, freeze_step=2, group=mesh["replicate"], momentum_masks={weight: mask})
+    _train(model, masked, rank, range(1, 5))
+    local_mask = mask.chunk(2)[mesh["shard"].get_local_rank()]
+    momentum = masked.state[weight]["exp_avg"]
+    result["mask_zero_where_masked"] = bool((momentum[local_mask == 0] == 0).all())
+    result["mask_free_elsewhere"] = bool((momentum[local_mask == 1] != 0).all())
+
     # ZeroOneAdam on the same recipe: replicas identical after every sync
     model = _shard_model(mesh["shard"])
     zo = ZeroOneAdam(model.parameters(), lr=LR, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1,
@@ -174,6 +186,7 @@ def test_hsdp_recipe_warmup_equals_native_hsdp_and_replicas_stay_identical(tmp_p
         assert r["equals_plain_tensors"]
         assert "torch.distributed.checkpoint" in r["save_checkpoint"]
         assert r["zoadam_identical"]
+        assert r["mask_zero_where_masked"] and r["mask_free_elsewhere"]
         assert "whole-tensor norms" in r["lamb"] and "OnebitAdam or ZeroOneAdam" in r["lamb"]
         assert "other shards of the DTensor parameters" in r["mixed"] and "group=mesh['replicate']" in r["mixed"]
         assert r["state_shapes"] == r["local_shapes"]

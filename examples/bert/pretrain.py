@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step as if interrupted (the schedule still spans --steps); resume later")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--layout", choices=["dp", "hsdp"], default="dp",
+                   help="dp: every rank holds the whole model, the optimizer averages over all ranks; hsdp: FSDP2 "
+                        "shards the model over --shards ranks (a node) and the optimizer averages the shards across "
+                        "the replicas (examples/fsdp); checkpoints are then torch.distributed.checkpoint directories")
+    p.add_argument("--shards", type=int, default=2, help="with --layout hsdp: ranks per shard group")
     p.add_argument("--device", default="auto", help="'auto' (cuda with nccl/mpi when available, else cpu), 'cpu', 'cuda'")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
                    help="torch CPU threads per rank")
@@ -108,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.lr_warmup = max(1, round(0.05 * args.steps))
     if args.seq_len > MAX_POSITIONS:
         p.error(f"--seq-len {args.seq_len} exceeds the {MAX_POSITIONS} positions of BERT")
+    if args.layout == "hsdp" and args.resume:
+        p.error("--resume is not wired for --layout hsdp: load OUT/checkpoint_dcp with torch.distributed.checkpoint "
+                "(examples/fsdp/train_hsdp.py shows how)")
     return args
 
 
@@ -183,8 +191,15 @@ def params_digest(model: torch.nn.Module) -> torch.Tensor:
     return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
 
 
-def params_in_sync(model: torch.nn.Module, world, device: torch.device) -> bool:
-    """True when every rank holds bit-identical parameters."""
+def params_in_sync(model: torch.nn.Module, world, device: torch.device, optimizer=None) -> bool:
+    """True when every rank holds bit-identical parameters (with ``optimizer``, for sharded
+    models: every rank of its group holds the same shards)."""
+    if optimizer is not None:
+        try:
+            optimizer.synchronize()
+        except RuntimeError:
+            return False
+        return True
     digest = params_digest(model).to(device)
     every = torch.empty(world.world_size, digest.numel(), dtype=torch.uint8, device=device)
     world.all_gather(every, digest)
@@ -282,8 +297,41 @@ def judge_run(val_losses: list[tuple[int, float]], vocab_size: int, finished: bo
     return ("finished" if finished else "stopped"), None
 
 
-def build_optimizer(params, config: dict, masks: dict):
-    return onebit.from_config(params, config, momentum_masks=masks)
+def build_optimizer(params, config: dict, masks: dict, group=None):
+    return onebit.from_config(params, config, momentum_masks=masks, group=group)
+
+
+class ShardedMaskedLM(torch.nn.Module):
+    """``mlm_loss`` as a module's forward: FSDP2 gathers a module's parameters in its forward hooks,
+    so the sharded root must be called, not reached into (``mlm_loss`` calls ``bert`` and ``cls``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return mlm_loss(self.inner, input_ids, labels, reduction)
+
+
+def shard_model(model, masks: dict, world_size: int, shards: int, device: torch.device):
+    """The HSDP recipe: FSDP2 over the "shard" dimension of a (replicate, shard) mesh (each encoder
+    layer, then the root, which holds the embeddings and the tied MLM head); the optimizer averages
+    over "replicate". Returns the model, the masks keyed by its new (DTensor) parameters, and the
+    optimizer's group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if shards < 1 or world_size % shards:
+        raise SystemExit(f"--shards {shards} must divide the {world_size} ranks")
+    mesh = init_device_mesh(device.type, (world_size // shards, shards), mesh_dim_names=("replicate", "shard"))
+    names = {id(p): name for name, p in model.named_parameters()}
+    by_name = {"inner." + names[id(p)]: mask for p, mask in masks.items()}
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, mesh=mesh["shard"])
+    model = ShardedMaskedLM(model)
+    fully_shard(model, mesh=mesh["shard"])
+    params = dict(model.named_parameters())
+    return model, {params[name]: mask for name, mask in by_name.items()}, mesh["replicate"]
 
 
 def first_phase_steps(optimizer) -> int:
@@ -307,6 +355,8 @@ def mlm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, reduction: st
     ignores 85% of them; on a small model that head is most of the step (see the README).
     The blocks hold no padding, so no attention mask is built either.
     """
+    if isinstance(model, ShardedMaskedLM):
+        return model(input_ids, labels, reduction)
     hidden = model.bert(input_ids=input_ids).last_hidden_state
     chosen = labels != -100
     logits = model.cls(hidden[chosen])
@@ -336,13 +386,16 @@ def train_batch(blocks: torch.Tensor, step: int, rank: int, world_size: int, bat
 
 @torch.no_grad()
 def evaluate(model, inputs: torch.Tensor, labels: torch.Tensor, world, device: torch.device, batch_size: int,
-             same_model: bool = True) -> float:
+             same_model: bool = True, equal_shares: bool = False) -> float:
     """Mean masked-token loss over the whole validation set (fixed masks), split across ranks.
 
     ``same_model=False`` (the ranks hold different parameters, e.g. between 0/1 Adam's syncs):
-    every rank evaluates its own model on the whole set; the result is the mean over ranks."""
+    every rank evaluates its own model on the whole set; the result is the mean over ranks.
+    ``equal_shares``: every rank evaluates as many rows (the last ``len % world_size`` are left
+    out), for sharded models whose every forward is a collective of the shard group."""
     model.eval()
-    rows = torch.arange(world.rank, inputs.shape[0], world.world_size) if same_model else torch.arange(inputs.shape[0])
+    rows = inputs.shape[0] - (inputs.shape[0] % world.world_size if equal_shares else 0)
+    rows = torch.arange(world.rank, rows, world.world_size) if same_model else torch.arange(rows)
     total = torch.zeros(2, dtype=torch.float32, device=device)
     for start in range(0, rows.numel(), batch_size):
         chunk = rows[start:start + batch_size]
@@ -400,6 +453,15 @@ def check_resume_settings(saved: dict, args: argparse.Namespace) -> None:
         raise ValueError(f"--resume with settings that differ from the checkpoint's ({listed}); use the same flags")
 
 
+def save_sharded(path: Path, model, optimizer) -> None:
+    """A torch.distributed.checkpoint of the sharded model and optimizer (loads into any layout)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=str(path))
+
+
 def load_checkpoint(path: Path, args: argparse.Namespace, model, optimizer) -> dict:
     """Restore model and optimizer from ``path`` (``onebit.load_checkpoint``); return the extras."""
     if not path.is_file():
@@ -435,7 +497,11 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)  # the same initialization on every rank (checked below)
     model = build_model(args.model, data.vocab_size, args.attn).to(device)
     masks = momentum_masks(model, args.seq_len) if args.momentum_mask else {}
-    optimizer = build_optimizer(param_groups(model, args.param_groups == "per-tensor"), config, masks)
+    group = None
+    if args.layout == "hsdp":
+        model, masks, group = shard_model(model, masks, world_size, args.shards, device)
+    optimizer = build_optimizer(param_groups(model, args.param_groups == "per-tensor"), config, masks, group)
+    sharded = optimizer if args.layout == "hsdp" else None
     base_lrs = [group["lr"] for group in optimizer.param_groups]
 
     ckpt_path = out / "checkpoint.pt"
@@ -450,7 +516,7 @@ def train(args: argparse.Namespace) -> dict:
         offset_in_a_row = state.get("skipped_in_a_row", 0)
         val_losses = [tuple(sv) for sv in state.get("val_losses", [])]
         logger.info("resumed from %s at step %d", ckpt_path, start)
-    if optimizer.replicas_identical and not params_in_sync(model, world, device):
+    if optimizer.replicas_identical and not params_in_sync(model, world, device, sharded):
         raise RuntimeError("ranks start from different parameters; check that every rank runs the same code and versions")
 
     num_params = sum(p.numel() for p in model.parameters())
@@ -483,7 +549,7 @@ def train(args: argparse.Namespace) -> dict:
 
     def validate(step: int) -> float:
         val_loss = evaluate(model, val_inputs, val_labels, world, device, 2 * args.batch_size,
-                            same_model=optimizer.replicas_identical)
+                            same_model=optimizer.replicas_identical, equal_shares=sharded is not None)
         val_losses.append((step, val_loss))
         metrics.write(event="eval", step=step, val_loss=val_loss)
         return val_loss
@@ -538,10 +604,13 @@ def train(args: argparse.Namespace) -> dict:
             # Every rank calls it: rank 0 writes the state and commits the manifest checkpoint.pt;
             # unless --no-exact-resume, each rank also writes its compression errors as its part.
             skipped = skipped_steps()
-            onebit.save_checkpoint(ckpt_path, optimizer, model=model, exact_resume=args.exact_resume, extra=dict(
-                format=CHECKPOINT_FORMAT, step=step, bytes_sent=bytes_sent(), elapsed_s=elapsed(), settings=settings,
-                skipped_steps={phase: skipped[phase] for phase in offset_skipped}, skipped_in_a_row=skipped["in_a_row"],
-                val_losses=[list(sv) for sv in val_losses]))
+            if sharded is not None:  # shards of every rank: a torch.distributed.checkpoint directory
+                save_sharded(out / "checkpoint_dcp", model, optimizer)
+            else:
+                onebit.save_checkpoint(ckpt_path, optimizer, model=model, exact_resume=args.exact_resume, extra=dict(
+                    format=CHECKPOINT_FORMAT, step=step, bytes_sent=bytes_sent(), elapsed_s=elapsed(), settings=settings,
+                    skipped_steps={phase: skipped[phase] for phase in offset_skipped},
+                    skipped_in_a_row=skipped["in_a_row"], val_losses=[list(sv) for sv in val_losses]))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -563,7 +632,7 @@ def train(args: argparse.Namespace) -> dict:
     summary["val_loss_limit"] = val_loss_limit(data.vocab_size, initial)
     summary["status"], summary["status_reason"] = judge_run(val_losses, data.vocab_size, stop == args.steps,
                                                             skipped["in_a_row"])
-    summary["params_in_sync"] = params_in_sync(model, world, device)
+    summary["params_in_sync"] = params_in_sync(model, world, device, sharded)
     # False only between 0/1 Adam's syncs (local steps): then the ranks' parameters differ by design.
     summary["replicas_identical"] = optimizer.replicas_identical
     metrics.write(event="end", **summary)
