@@ -10,7 +10,7 @@ takes local steps with 1-bit syncs on a doubling schedule. All three are thin su
 """
 
 from .backends import BACKEND_NAMES, CommBackend, LocalBackend
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_compression_errors, save_checkpoint, save_compression_errors
 from .collectives import CompressionState, compressed_allreduce_
 from .config import from_config
 from .adam import OnebitAdam
@@ -35,6 +35,8 @@ __all__ = [
     "from_config",
     "load_checkpoint",
     "save_checkpoint",
+    "save_compression_errors",
+    "load_compression_errors",
     "__version__",
 ]
 

@@ -37,7 +37,7 @@ from .state import saved_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "save_compression_errors", "load_compression_errors"]
 
 _FILE_MARKER = "onebit-checkpoint"
 _MANIFEST_VERSION = 2
@@ -310,3 +310,67 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     if model is not None:
         model.load_state_dict(model_state)
     return payload.get("extra")
+
+
+# ----------------------------------------------------------------------------- beside a DCP checkpoint
+
+
+def _errors_path(directory: Path) -> Path:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return directory / f"onebit-errors-rank{rank}.pt"
+
+
+def save_compression_errors(directory: str | os.PathLike, optimizer: OnebitOptimizer) -> None:
+    """Write this rank's compression errors into ``directory`` (a ``torch.distributed.checkpoint``
+    directory, after ``dcp.save``), one file per rank (``onebit-errors-rank<r>.pt``, written
+    atomically), so that :func:`load_compression_errors` can resume bit for bit on the same layout.
+    Call it on every rank. DCP itself saves no per-rank state: without these files a load resets
+    the errors, which is what a load into another layout does anyway."""
+    backend = optimizer.backend
+    part = {"format": _FILE_MARKER + "-errors", "step": optimizer.step_count, "layout": optimizer.layout_digest(),
+            "world_size": backend.world_size, "rank": backend.rank,
+            "replicas_identical": optimizer.replicas_identical,
+            "errors": [(w.detach().cpu().clone(), s.detach().cpu().clone()) for w, s in optimizer.compression_errors()]}
+    _atomic_write(_serialize(part), _errors_path(Path(directory)))
+
+
+def load_compression_errors(directory: str | os.PathLike, optimizer: OnebitOptimizer) -> bool:
+    """After ``set_optimizer_state_dict`` from the DCP checkpoint ``directory``: restore this rank's
+    compression errors written there by :func:`save_compression_errors` when every rank of the
+    optimizer's group can (same step, world size and layout; one all-reduce), else leave them
+    reset on every rank of the group, with one log line saying why. Returns whether they were
+    restored. Call it on every rank."""
+    path = _errors_path(Path(directory))
+    backend = optimizer.backend
+    mine, reason = None, ""
+    try:
+        part = _read(path)
+    except (FileNotFoundError, ValueError) as exc:
+        part, reason = None, str(exc)
+    if part is not None:
+        if not isinstance(part, Mapping) or part.get("format") != _FILE_MARKER + "-errors":
+            reason = f"{path} is not a onebit compression-error file"
+        elif part.get("world_size") != backend.world_size or part.get("rank") != backend.rank:
+            reason = f"it was saved by rank {part.get('rank')} of {part.get('world_size')}"
+        elif part.get("layout") != optimizer.layout_digest():
+            reason = "it was saved with another parameter layout"
+        elif part.get("step") != optimizer.step_count:
+            reason = f"its errors are of step {part.get('step')}, the optimizer state is of step {optimizer.step_count}"
+        elif not part.get("replicas_identical", True):
+            reason = "it was saved between the syncs of ZeroOneAdam, when DCP kept one replica's state"
+        else:
+            mine = part["errors"]
+    if backend.world_size > 1:  # restore everywhere or nowhere
+        flag = torch.tensor([0.0 if mine is None else 1.0], device=_device(optimizer))
+        backend.all_reduce_mean_(flag)
+        if mine is not None and float(flag.item()) < 1.0:
+            mine, reason = None, "another rank cannot restore its errors"
+    if mine is None:
+        logger.info("onebit: rank %d: compression errors not restored from %s (%s); they stay reset",
+                    backend.rank, directory, reason)
+        return False
+    device = _device(optimizer)
+    optimizer.restore_compression_errors([(w.to(device), s.to(device)) for w, s in mine])
+    return True

@@ -295,6 +295,18 @@ class StateDictContract:
             if bucket.compression is not None:
                 bucket.compression.reset_errors_()
 
+    def restore_compression_errors(self, errors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put back this rank's compression errors (as :meth:`compression_errors` gave them, on the
+        same world size and layout) after a ``load_state_dict``, for a loader that cannot pass them
+        to :meth:`restore` (``torch.distributed.checkpoint``'s ``set_optimizer_state_dict``; see
+        :func:`onebit.checkpoint.load_compression_errors`): the run then continues bit for bit."""
+        check_compression_errors(self, errors)
+        for (worker, server), (w, s) in zip(self.compression_errors(), errors):
+            worker.copy_(w)
+            server.copy_(s)
+        if self._load_note is not None:  # the load's line, said at the next step, says "restored"
+            self._load_note = (*self._load_note[:-1], "restored (exact resume)")
+
     def layout_digest(self) -> str:
         """16 hex digits that differ when the parameter layout (groups, shapes, dtypes, buckets,
         segments) does: what must match for compression errors to be exchanged."""

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam, save_checkpoint
+from onebit import (OnebitAdam, OnebitLamb, ZeroOneAdam, load_compression_errors, save_checkpoint,
+                    save_compression_errors)
 
 pytestmark = pytest.mark.slow
 
@@ -379,15 +380,26 @@ def _checkpoint_leg(rank: int, world: int, load_from: str | None, layouts: list[
             result["loaded"].append(all(torch.equal(a, b) for key in ("params", "exp_avg", "exp_avg_sq")
                                         for a, b in zip(now[key], saved[key])) and now["step"] == saved["step"])
             result.setdefault("errors_after_load", []).append(opt.comm_stats()["worker_error_norm"])
+            result.setdefault("errors_restored", []).append(load_compression_errors(source, opt))  # another layout
             start = opt.step_count + 1
             _train(model, opt, rank, range(start, start + 2))
         result["steps"].append(opt.step_count)
         source = f"{directory}/{kind}-{n}-{world}"
         _save(model, opt, source)
+        save_compression_errors(source, opt)
         full = _full(model, opt)
         if rank == 0:
             torch.save(full, pathlib.Path(source) / "full.pt")
         dist.barrier()
+        if load_from is None and n == 0:  # the same layout again: an exact resume, bit for bit
+            again, again_opt = _layout(kind, rank)
+            _load(again, again_opt, source)
+            result["exact_restored"] = load_compression_errors(source, again_opt)
+            start = opt.step_count + 1
+            _train(model, opt, rank, range(start, start + 2))
+            _train(again, again_opt, rank, range(start, start + 2))
+            result["exact_bit_for_bit"] = all(torch.equal(a, b) for a, b in zip(_locals(model), _locals(again)))
+            result["exact_lines"] = sum("compression errors restored (exact resume)" in line for line in lines.lines)
     result["reset_lines"] = sum("compression errors reset" in line for line in lines.lines)
     return result
 
@@ -399,13 +411,17 @@ def test_dcp_checkpoints_move_between_hsdp_fsdp_and_ddp(tmp_path):
     first = run_ranks(_checkpoint_leg, 4, tmp_path / "first", None, ["hsdp", "fsdp"], str(tmp_path), timeout=240)
     for r in first:
         assert r["fresh_step_after_get"] == 0
-        assert r["loaded"] == [True] and r["errors_after_load"] == [0.0]
+        assert r["exact_restored"] and r["exact_bit_for_bit"]
+        assert r["loaded"] == [True] and r["errors_after_load"] == [0.0] and r["errors_restored"] == [False]
         assert r["steps"] == [DCP_FREEZE + 2, DCP_FREEZE + 4]
     # onebit's group in the FSDP layout is each rank alone: every rank is its group's rank 0
     assert [r["reset_lines"] for r in first] == [1, 1, 1, 1]
+    assert [r["exact_lines"] for r in first] == [1, 1, 0, 0]  # rank 0 of each replicate group
     second = run_ranks(_checkpoint_leg, 2, tmp_path / "second", f"{tmp_path}/fsdp-1-4", ["ddp"], str(tmp_path), timeout=120)
     assert [r["loaded"] for r in second] == [[True], [True]]
+    assert [r["errors_restored"] for r in second] == [[False], [False]]
     assert [r["reset_lines"] for r in second] == [1, 0]
     third = run_ranks(_checkpoint_leg, 4, tmp_path / "third", f"{tmp_path}/ddp-0-2", ["hsdp"], str(tmp_path), timeout=240)
-    assert all(r["loaded"] == [True] and r["steps"] == [DCP_FREEZE + 8] for r in third)
+    assert all(r["loaded"] == [True] and r["errors_restored"] == [False] and r["steps"] == [DCP_FREEZE + 8]
+               for r in third)
     assert [r["reset_lines"] for r in third] == [1, 1, 0, 0]  # ranks 0 and 1: rank 0 of a replicate group
