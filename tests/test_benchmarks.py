@@ -301,3 +301,50 @@ def test_hierarchy_quick_two_level_sends_fewer_bytes_between_nodes(hierarchy_qui
         assert schemes[name]["veth_bytes_vs_flat"] < 0.7
     # node_mean moves float32 shards inside the node: its loopback carries far more than compressed's
     assert schemes["node_mean"]["veth_per_node"][0]["lo_tx_bytes"] > 5 * schemes["compressed"]["veth_per_node"][0]["lo_tx_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_hsdp_quick_onebit_sends_a_fraction_of_hsdp_adamw_bytes_and_keeps_half_the_state(tmp_path):
+    """``benchmarks/hsdp.py --quick``: the 2 x 2 HSDP layout on two emulated nodes at 1 Gbit/s."""
+    netns = _bench_module("netns")
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+    before = _netns_names()
+    try:
+        proc = subprocess.run([sys.executable, str(BENCH / "hsdp.py"), "--quick", "--out-dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hsdp.py --quick did not finish in {exc.timeout} s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _netns_names() == before, "namespaces left behind"
+    assert (tmp_path / "hsdp_quick.md").read_text().startswith("# HSDP recipe: 2 nodes x 2 ranks")
+    (run,) = json.loads((tmp_path / "hsdp_quick.json").read_text())["runs"]
+    assert run["rate_gbit"] == 1.0 and run["nodes"] == 2 and run["ranks_per_node"] == 2
+    configs = run["configs"]
+    assert set(configs) == {"hsdp_adamw", "hsdp_onebit", "ddp_onebit"}
+    for name, row in configs.items():
+        assert len(row["steps_s"]) == run["rounds"] and 0 < row["step_s"] < 60, name
+        assert [v["node"] for v in row["veth_per_node"]] == [0, 1], name
+        for v in row["veth_per_node"]:  # the model's payload, plus headers, barriers and flags
+            assert row["model_inter_node_bytes"] <= v["tx_payload_bytes"] <= 1.3 * row["model_inter_node_bytes"] + 8192
+    onebit, adamw, ddp = configs["hsdp_onebit"], configs["hsdp_adamw"], configs["ddp_onebit"]
+    # the replicate all-reduce is the only traffic between the nodes: comm_stats counts the model's bytes and
+    # the finiteness flag's all-reduce (12 bytes per rank)
+    for sent in onebit["stats_bytes_sent_per_node"]:
+        assert onebit["model_inter_node_bytes"] <= sent <= onebit["model_inter_node_bytes"] + 64
+    # 1-bit across the slow dimension; the quick model is small, so barriers and scales weigh more than at 4.2M
+    for hsdp, native in zip(onebit["veth_per_node"], adamw["veth_per_node"]):
+        assert hsdp["tx_bytes"] < native["tx_bytes"] / 20 and hsdp["rx_bytes"] < native["rx_bytes"] / 20
+    # its warmup step all-reduces full precision: about HSDP + AdamW's bytes
+    assert onebit["veth_per_node"][0]["untimed_phases"] == ["warmup", "compression"]
+    assert onebit["veth_per_node"][0]["untimed_both_bytes"][0] == pytest.approx(adamw["veth_both_bytes_max"], rel=0.05)
+    # the recipe's optimizer holds its shard's state: half the unsharded optimizer's
+    # (AdamW's adds a 4-byte step per tensor)
+    assert onebit["state_vs_ddp_onebit"] <= 0.55
+    assert onebit["state_bytes_max"] == pytest.approx(adamw["state_bytes_max"], abs=4 * run["tensors"])
+    assert ddp["state_keys"] == onebit["state_keys"]
+    assert {t["target"] for t in json.loads((tmp_path / "hsdp_quick.json").read_text())["targets"]} >= {
+        "optimizer state per rank <= 0.55x the unsharded optimizer's (ddp_onebit)"}
