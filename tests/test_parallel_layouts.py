@@ -131,6 +131,26 @@ def _hsdp(rank: int, world: int) -> dict:
     full = _mlp()
     result["unsharded_state_bytes"] = _state_bytes(OnebitAdam(full.parameters(), comm_backend_name="local"))
 
+    # torch.optim's conventions on shards: a live load of its own state_dict continues bit for bit (errors
+    # restored); a parameter without a gradient is left alone with its state
+    twin = _shard_model(mesh["shard"])
+    for a, b in zip(twin.parameters(), model.parameters()):
+        a.to_local().detach().copy_(b.to_local().detach())
+    twin_opt = OnebitAdam(twin.parameters(), group=mesh["replicate"], **options)
+    twin_opt.restore(opt.state_dict(), [(w.clone(), e.clone()) for w, e in opt.compression_errors()])
+    bias = list(model.parameters())[1]
+    held = (bias.to_local().clone(), opt.state[bias]["exp_avg"].clone())
+    for m, o in ((model, opt), (twin, twin_opt)):
+        x, y = _batch(rank, STEPS + 1)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        list(m.parameters())[1].grad = None
+        o.step()
+        o.zero_grad(set_to_none=True)
+    result["live_load_bit_for_bit"] = all(torch.equal(a, b) for a, b in zip(_locals(model), _locals(twin)))
+    result["no_grad_untouched"] = (torch.equal(held[0], bias.to_local()) and
+                                   torch.equal(held[1], opt.state[bias]["exp_avg"]))
+    result["others_moved"] = not torch.equal(start[0], _locals(model)[0])
+
     # a momentum mask given whole (as for an unsharded model) applies to each rank's shard of it
     model = _shard_model(mesh["shard"])
     weight = model[0].weight
@@ -185,6 +205,7 @@ def test_hsdp_recipe_warmup_equals_native_hsdp_and_replicas_stay_identical(tmp_p
         assert r["warmup_rel"] < 1e-5, (rank, r["warmup_rel"])
         assert all(r["identical_after_switch"]), (rank, r["identical_after_switch"])
         assert r["equals_plain_tensors"]
+        assert r["live_load_bit_for_bit"] and r["no_grad_untouched"] and r["others_moved"]
         assert "torch.distributed.checkpoint" in r["save_checkpoint"]
         assert r["zoadam_identical"]
         assert r["mask_zero_where_masked"] and r["mask_free_elsewhere"]
