@@ -137,7 +137,8 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
         if saved.get("compress", True) != live["compress"]:
             _fail(f"param group {g} has compress={saved.get('compress')!r} in the checkpoint and "
                   f"compress={live['compress']!r} here; build the optimizer with the same groups")
-        hyper = {k: v for k, v in saved.items() if k not in ("params", "onebit")}  # a scheduler's initial_lr too, as torch keeps it
+        # every saved key but the parameters and onebit's entry (a scheduler's initial_lr too, as torch keeps it)
+        hyper = {k: v for k, v in saved.items() if k not in ("params", "onebit")}
         hyper["betas"] = tuple(hyper["betas"]) if isinstance(hyper["betas"], (list, tuple)) else hyper["betas"]
         try:
             opt._check_group({**hyper, "compress": live["compress"]})

@@ -128,7 +128,8 @@ def test_the_space_is_saved_and_a_checkpoint_restores_it(caplog):
     saved = opt.state_dict()
     assert saved["param_groups"][0]["onebit"]["compression_space"] == "preconditioned"
     default = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local")
-    assert "compression_space" not in default.state_dict()["param_groups"][0]["onebit"]  # DeepSpeed-numerics state dicts as before
+    # DeepSpeed-numerics state dicts as before
+    assert "compression_space" not in default.state_dict()["param_groups"][0]["onebit"]
     with caplog.at_level(logging.INFO, logger="onebit"):
         default.load_state_dict(saved)
     assert default.compression_space == "preconditioned"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 import torch
 import torch.distributed as dist
