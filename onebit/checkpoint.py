@@ -252,6 +252,18 @@ def _own_part(path: Path, manifest: Mapping[str, Any], optimizer: OnebitOptimize
     return (None, mismatch) if mismatch else (mine, "")
 
 
+def _everywhere_or_nowhere(optimizer: OnebitOptimizer, mine: Any, reason: str) -> tuple[Any, str]:
+    """What this rank can restore (``mine``, or None and why), agreed over the optimizer's group
+    (one all-reduce): every rank restores, or none does."""
+    backend = optimizer.backend
+    if backend.world_size > 1:
+        flag = torch.tensor([0.0 if mine is None else 1.0], device=_device(optimizer))
+        backend.all_reduce_mean_(flag)
+        if mine is not None and float(flag.item()) < 1.0:
+            return None, "another rank cannot restore its part"
+    return mine, reason
+
+
 def _model_mismatch(saved: Any, model: torch.nn.Module) -> str | None:
     """Why ``saved`` cannot be loaded into ``model``, or None."""
     if not isinstance(saved, Mapping):
@@ -294,12 +306,7 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     backend = optimizer.backend
     if exact_resume:
         step = saved_step(sd)
-        mine, reason = _own_part(path, manifest, optimizer, step, model)
-        if backend.world_size > 1:  # restore everywhere or nowhere
-            flag = torch.tensor([0.0 if mine is None else 1.0], device=_device(optimizer))
-            backend.all_reduce_mean_(flag)
-            if mine is not None and float(flag.item()) < 1.0:
-                mine, reason = None, "another rank cannot restore its part"
+        mine, reason = _everywhere_or_nowhere(optimizer, *_own_part(path, manifest, optimizer, step, model))
         if mine is None:
             logger.info("onebit: rank %d: exact resume not possible for %s (%s); compression errors reset%s",
                         backend.rank, path, reason, ", rank 0's state loaded" if backend.world_size > 1 else "")
@@ -362,11 +369,7 @@ def load_compression_errors(directory: str | os.PathLike, optimizer: OnebitOptim
             reason = "it was saved between the syncs of ZeroOneAdam, when DCP kept one replica's state"
         else:
             mine = part["errors"]
-    if backend.world_size > 1:  # restore everywhere or nowhere
-        flag = torch.tensor([0.0 if mine is None else 1.0], device=_device(optimizer))
-        backend.all_reduce_mean_(flag)
-        if mine is not None and float(flag.item()) < 1.0:
-            mine, reason = None, "another rank cannot restore its errors"
+    mine, reason = _everywhere_or_nowhere(optimizer, mine, reason)
     if mine is None:
         logger.info("onebit: rank %d: compression errors not restored from %s (%s); they stay reset",
                     backend.rank, directory, reason)
