@@ -32,7 +32,11 @@ class OnebitAdam(FrozenVarianceOptimizer):
             ``weight_decay``, ``bias_correction``, and ``compress=False`` to keep its momentum
             out of compression (full-precision gradient all-reduce and plain Adam in both phases).
         lr, betas, eps, weight_decay: as in Adam (``weight_decay`` is decoupled).
-        freeze_step: number of warmup steps (>= 1). The paper uses 15-25% of training.
+        freeze_step: number of warmup steps (>= 1). The paper uses 15-25% of training. ``"auto"``:
+            freeze once the frozen denominator has settled (:mod:`onebit.autofreeze`), checked every
+            10 steps from the data, without communication; the step it chose is logged and saved.
+        freeze_bounds: with ``freeze_step="auto"``: ``(earliest, latest)`` step of the freeze
+            (``latest`` None: no bound); default ``(20, None)``.
         bias_correction: divide the moments by ``1 - beta**t`` (with ``t = freeze_step`` for the
             frozen variance). Off by default, as in DeepSpeed.
         compression_space: what the 1-bit all-reduce averages: ``"momentum"`` (default,
@@ -50,18 +54,19 @@ class OnebitAdam(FrozenVarianceOptimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | str = 100000,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
         bias_correction: bool = False,
         compression_space: str = "momentum",
+        freeze_bounds: tuple[int, int | None] | None = None,
         **options: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, freeze_step, compression_space, **options)
+        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, **options)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:

@@ -83,7 +83,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "betas": (_pair, "a list of two numbers [beta1, beta2]"),
     "eps": (_real, "a number"),
     "weight_decay": (_real, "a number"),
-    "freeze_step": (_integer, "an integer (a number of steps)"),
+    "freeze_step": (lambda v: v == "auto" or _integer(v), "an integer (a number of steps) or \"auto\""),
+    "freeze_bounds": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and _integer(v[0])
+                      and (v[1] is None or _integer(v[1])), "a list [earliest, latest] of steps (latest may be null)"),
     "var_freeze_step": (_integer, "an integer (a number of steps)"),
     "var_update_scaler": (_integer, "an integer (variance updates per interval)"),
     "local_step_scaler": (_integer, "an integer (a number of steps)"),

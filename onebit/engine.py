@@ -225,6 +225,10 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         """Allocate what step ``t`` would allocate for ``bucket`` (called before some of its
         parameters' values are held through the step, see :meth:`Bucket.hold`)."""
 
+    def _schedule_step(self, t: int) -> None:
+        """Called at the start of step ``t``, before its plan is read: a schedule decided from the
+        state (``freeze_step='auto'``) may fix it here; it must not change the plan of ``t``."""
+
     def _forget(self) -> None:
         """Drop what the algorithm derived from the state (see :meth:`_invalidate`)."""
 
@@ -452,6 +456,7 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         check_grads(self._buckets, type(self).__name__)
         start = time.perf_counter()
         t = self._step + 1
+        self._schedule_step(t)
         plan = self.plan_for(t)
         self._backend.begin_step(plan.name)
         if not self._layout_checked:  # first step: ranks holding different models fail clearly

@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 import torch
 
 from . import functional as F
+from . import autofreeze
+from .autofreeze import AutoFreeze
 from .buckets import Bucket
 from .engine import OnebitOptimizer, StepPlan
 from .validation import check_compression_space, check_int
@@ -33,17 +35,48 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
 
-    def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int, compression_space: str = "momentum",
-                 **options: Any) -> None:
-        check_int("freeze_step", freeze_step, 1, ", because the variance is frozen after freeze_step steps of "
-                  "full-precision warmup and a zero variance would make the update m / eps")
+    def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int | str, compression_space: str = "momentum",
+                 freeze_bounds: tuple[int, int | None] | None = None, **options: Any) -> None:
+        self._auto: AutoFreeze | None = None
+        if freeze_step == "auto":
+            low, high = (autofreeze.MIN_STEPS, None) if freeze_bounds is None else _pair(freeze_bounds)
+            autofreeze.check_bounds(low, high)
+            self._auto = AutoFreeze(low, high)
+            freeze_step = None
+        else:
+            if isinstance(freeze_step, str):
+                raise ValueError(f"invalid freeze_step {freeze_step!r}: give an int >= 1 or 'auto'")
+            check_int("freeze_step", freeze_step, 1, ", because the variance is frozen after freeze_step steps of "
+                      "full-precision warmup and a zero variance would make the update m / eps")
+            if freeze_bounds is not None:
+                raise ValueError(f"freeze_bounds={freeze_bounds!r} applies only to freeze_step='auto' (got "
+                                 f"freeze_step={freeze_step}); drop it or pass freeze_step='auto'")
         check_compression_space(compression_space)
-        self.freeze_step = freeze_step
+        self.freeze_step: int | None = freeze_step  # None: 'auto', not decided yet
         self.compression_space = compression_space
         super().__init__(params, defaults, **options)
 
     def plan_for(self, step: int) -> StepPlan:
+        if self.freeze_step is None:  # 'auto', undecided: warmup until it decides, at the latest bound at most
+            latest = self._auto.max_steps
+            return COMPRESSION if latest is not None and step > latest else WARMUP
         return WARMUP if step <= self.freeze_step else COMPRESSION
+
+    def _in_warmup(self, t: int) -> bool:
+        return self.freeze_step is None or t <= self.freeze_step
+
+    def _schedule_step(self, t: int) -> None:
+        """With ``freeze_step='auto'``, undecided: whether step ``t`` is the last warmup step, from
+        the variance after the steps before it (so that the last warmup step runs as it does with a
+        fixed ``freeze_step``)."""
+        if self._auto is None or self.freeze_step is not None:
+            return
+        done = self._step
+        reason = self._auto.check(t, done, lambda: autofreeze.measure(self._buckets, self.param_groups, done))
+        if reason is not None:
+            self.freeze_step = t
+            if self._backend.rank == 0:
+                logger.info("onebit: step %d: freeze_step='auto' makes this the last warmup step (%s)", t, reason)
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
         return bucket.buffers["exp_avg_sq"] == 0
@@ -106,20 +139,32 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _schedule_state(self) -> dict[str, Any]:
         # (compression_space only when not DeepSpeed's: state dicts of the default stay as they were)
         space = {} if self.compression_space == "momentum" else {"compression_space": self.compression_space}
-        return {"freeze_step": self.freeze_step, **space}
+        # 'auto': the step it chose (or "auto" while undecided) and what the decision compares with
+        auto = {} if self._auto is None else {"auto_freeze": self._auto.state()}
+        return {"freeze_step": "auto" if self.freeze_step is None else self.freeze_step, **space, **auto}
 
     def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         freeze_step = meta.get("freeze_step")
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
+        auto = AutoFreeze.from_state(meta["auto_freeze"]) if "auto_freeze" in meta else None
+        if freeze_step == "auto" and auto is not None:
+            freeze_step = None
+        elif isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(f"freeze_step must be an int >= 1 (or 'auto' with its auto_freeze state), got {freeze_step!r}")
         space = meta.get("compression_space", "momentum")
         check_compression_space(space, saved=True)
-        return {"freeze_step": freeze_step, "compression_space": space}
+        return {"freeze_step": freeze_step, "compression_space": space, "_auto": auto}
 
     def _apply_schedule(self, schedule: dict[str, Any]) -> None:
+        self._auto = schedule["_auto"]
         # The checkpoint's settings win: its compression errors (exact resume) are of its space.
         for key in ("freeze_step", "compression_space"):
             if schedule[key] != getattr(self, key):
                 logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, schedule[key],
                             getattr(self, key))
             setattr(self, key, schedule[key])
+
+
+def _pair(bounds: Any) -> tuple[Any, Any]:
+    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        raise ValueError(f"freeze_bounds must be (earliest, latest) steps, latest None for no bound; got {bounds!r}")
+    return bounds[0], bounds[1]

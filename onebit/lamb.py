@@ -72,6 +72,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         lr, betas, eps, weight_decay: as in LAMB (``weight_decay`` is decoupled, inside ``u``).
         freeze_step: number of warmup steps (>= 1); the paper's BERT runs use about 15-25% of
             training.
+            ``"auto"`` (and ``freeze_bounds``): as for :class:`onebit.OnebitAdam`.
         max_coeff, min_coeff: bounds of the warmup trust ratio.
         coeff_beta: the averaging factor of the warmup trust ratios.
         factor_max, factor_min, factor_threshold: bounds of ``f``, and its largest relative
@@ -93,7 +94,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | str = 100000,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -105,6 +106,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         factor_threshold: float = 0.1,
         *,
         compression_space: str = "momentum",
+        freeze_bounds: tuple[int, int | None] | None = None,
         **options: Any,
     ) -> None:
         refuse("OnebitLamb", options, DEEPSPEED_IGNORED)
@@ -118,7 +120,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         self.factor_threshold = factor_threshold
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults, freeze_step, compression_space, **options)
+        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, **options)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:
@@ -145,7 +147,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
             torch._foreach_add_(updates, self._float(bucket.params), alpha=group["weight_decay"])
         coeff = F.lamb_trust_ratio(self._norms(bucket.params), self._norms(updates), group["min_coeff"],
                                    group["max_coeff"])
-        if t <= self.freeze_step:
+        if self._in_warmup(t):
             frozen = bucket.scalars["lamb_coeff_freeze"]
             frozen.mul_(self.coeff_beta).add_(coeff, alpha=1 - self.coeff_beta)
         self._apply(bucket, updates, coeff, group["lr"])

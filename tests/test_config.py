@@ -429,7 +429,7 @@ BAD_CONFIGS = [
     (_section(lr=None), TypeError, r"optimizer.params.lr must be a number, got None"),
     (_section(weight_decay=True), TypeError, r"optimizer.params.weight_decay must be a number, got True"),
     (_section(freeze_step=23000.0), TypeError,
-     r"optimizer.params.freeze_step must be an integer \(a number of steps\), got 23000.0"),
+     r"optimizer.params.freeze_step must be an integer \(a number of steps\) or \"auto\", got 23000.0"),
     (_section(betas=[0.9]), TypeError, r"optimizer.params.betas must be a list of two numbers \[beta1, beta2\], got \[0.9\]"),
     (_section(cuda_aware="false"), TypeError, r"optimizer.params.cuda_aware must be true or false, got 'false'"),
     (_section(comm_backend_name=5), TypeError, r"optimizer.params.comm_backend_name must be a string"),

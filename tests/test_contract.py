@@ -31,7 +31,8 @@ class Case:
 
     def __repr__(self) -> str:
         space = self.extra.get("compression_space")
-        return self.cls.__name__ + (f"-{space}" if space else "")
+        auto = "-auto" if self.schedule.get("freeze_step") == "auto" else ""
+        return self.cls.__name__ + (f"-{space}" if space else "") + auto
 
     def make(self, params, lr: float = 1e-2, **kwargs):
         return self.cls(params, lr=lr, comm_backend_name="local", **{**self.schedule, **self.extra, **kwargs})
@@ -42,6 +43,9 @@ OPTIMIZERS = [
     Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01)),
     Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01, compression_space="preconditioned")),
     Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01, compression_space="preconditioned")),
+    # freeze_step='auto' whose latest bound makes it freeze after step 3, as the cases above do
+    Case(OnebitAdam, dict(freeze_step="auto", freeze_bounds=(1, 3)), dict(weight_decay=0.01)),
+    Case(OnebitLamb, dict(freeze_step="auto", freeze_bounds=(1, 3)), dict(weight_decay=0.01)),
     # variance 1-2, compressed_gradient 3, variance 4, then local / sync steps from step 6 (interval 2)
     Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
          dict(weight_decay=0.01)),

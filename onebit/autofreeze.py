@@ -1,0 +1,114 @@
+"""``freeze_step="auto"``: freeze the variance once the denominator it gives has settled.
+
+The compressed phase divides every momentum by the denominator frozen at ``freeze_step``
+(``sqrt(v / bc2) + eps``; ``bc2 = 1 - beta2**t`` with ``bias_correction``, else 1). Freezing is
+safe when that denominator no longer moves:
+
+* **not growing**: a denominator that still grows (``v`` of an uncorrected Adam rising from 0)
+  would be frozen smaller than it is about to be, so every later step would be larger than
+  Adam's; a shrinking one (gradients getting smaller as the loss falls) errs on the safe side;
+* **settled**: its total changes by little over a window either way;
+* **no coordinate still waking up**: coordinates whose variance is still exactly 0 keep a zero
+  momentum once frozen (1 bit cannot send a 0), so a rare token row that has not had a gradient
+  yet would never train; the count of zero-variance coordinates must have stopped falling.
+
+Every ``WINDOW`` steps from ``WINDOW`` on, the optimizer sums the denominator and counts the
+zero-variance coordinates over its compressed buckets (one pass over the variance, no
+communication: during warmup the variance is the same on every rank of the group, because the
+gradients are averaged, so every rank takes the same decision at the same step), compares with the
+previous check, and freezes at the first check at or after ``min_steps`` that meets the three
+conditions, or at ``max_steps``. What it compared with is saved in the state dict, so that a
+resume (on any world size) takes the same decision. With DTensor parameters each onebit group
+decides from its own shards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["AutoFreeze", "WINDOW", "MIN_STEPS", "GROWTH_TO_FREEZE", "CHANGE_TO_FREEZE", "WOKEN_TO_FREEZE"]
+
+WINDOW = 10  # steps between checks
+MIN_STEPS = 20  # default earliest freeze
+GROWTH_TO_FREEZE = 0.01  # the denominator's total may have grown by at most 1 % over the last window
+CHANGE_TO_FREEZE = 0.02  # ... and changed by at most 2 % either way
+WOKEN_TO_FREEZE = 1e-5  # at most this share of the coordinates left a zero variance over the window
+
+
+@dataclass
+class AutoFreeze:
+    """The decision's settings and what it compares with (``previous``: the denominator's total and
+    the zero-variance count at the last check)."""
+
+    min_steps: int = MIN_STEPS
+    max_steps: int | None = None
+    previous: tuple[float, float] | None = None
+
+    def check(self, t: int, done: int, measure) -> str | None:
+        """At the start of step ``t``, ``done`` steps applied: why ``t`` is to be the last warmup
+        step, or None. ``measure()`` gives ``(denominator total, zero-variance count,
+        coordinates)`` after the ``done`` steps; it is called every ``WINDOW`` steps only."""
+        if self.max_steps is not None and t >= self.max_steps:
+            return f"the latest bound, {self.max_steps}"
+        if done == 0 or done % WINDOW:
+            return None
+        total, zeros, count = measure()
+        previous, self.previous = self.previous, (total, zeros)
+        if previous is None or t < self.min_steps or total <= 0:
+            return None
+        change = (total - previous[0]) / total
+        woken = (previous[1] - zeros) / max(count, 1)
+        if change <= GROWTH_TO_FREEZE and abs(change) <= CHANGE_TO_FREEZE and woken <= WOKEN_TO_FREEZE:
+            return (f"over steps {done - WINDOW + 1}-{done} the frozen denominator changed by {100 * change:+.2f}% "
+                    f"and {previous[1] - zeros:.0f} coordinates left a zero variance")
+        return None
+
+    def state(self) -> dict[str, Any]:
+        return {"min_steps": self.min_steps, "max_steps": self.max_steps,
+                "previous": None if self.previous is None else list(self.previous)}
+
+    @classmethod
+    def from_state(cls, saved: Any) -> AutoFreeze:
+        """Validate a saved :meth:`state` (raise ValueError)."""
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"auto_freeze must be a dict, got {type(saved).__name__}")
+        auto = cls(saved.get("min_steps"), saved.get("max_steps"))
+        check_bounds(auto.min_steps, auto.max_steps)
+        previous = saved.get("previous")
+        if previous is not None:
+            if (not isinstance(previous, (list, tuple)) or len(previous) != 2
+                    or not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in previous)):
+                raise ValueError(f"auto_freeze.previous must be two finite numbers >= 0, got {previous!r}")
+            auto.previous = (float(previous[0]), float(previous[1]))
+        return auto
+
+
+def check_bounds(min_steps: Any, max_steps: Any) -> None:
+    """``1 <= min_steps`` (int), ``max_steps`` None or an int ``>= min_steps``."""
+    if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
+        raise ValueError(f"the earliest automatic freeze must be an int >= 1, got {min_steps!r}")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < min_steps):
+        raise ValueError(f"the latest automatic freeze must be None or an int >= the earliest ({min_steps}), "
+                         f"got {max_steps!r}")
+
+
+def measure(buckets: list, groups: list[dict[str, Any]], t: int) -> tuple[float, float, int]:
+    """The frozen denominator's total ``sum(sqrt(v / bc2))`` (float64), the count of coordinates
+    with zero variance, and the coordinates, over the compressed buckets at step ``t``."""
+    total, zeros, count = 0.0, 0.0, 0
+    for bucket in buckets:
+        if bucket.compression is None:
+            continue
+        group = groups[bucket.group_index]
+        beta2 = group["betas"][1]
+        bc2 = 1.0 - beta2 ** t if group.get("bias_correction", False) else 1.0
+        v = bucket.buffers["exp_avg_sq"]
+        total += float(torch.sqrt(v.double() / bc2).sum())
+        zeros += float(torch.count_nonzero(v == 0)) - (bucket.padded - bucket.numel)  # the padding is always 0
+        count += bucket.numel
+    return total, zeros, count
