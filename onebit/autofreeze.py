@@ -48,6 +48,7 @@ class AutoFreeze:
     min_steps: int = MIN_STEPS
     max_steps: int | None = None
     previous: tuple[float, float] | None = None
+    checked: int = 0  # the steps done at the last check (a step skipped for non-finite gradients is not checked twice)
 
     def check(self, t: int, done: int, measure) -> str | None:
         """At the start of step ``t``, ``done`` steps applied: why ``t`` is to be the last warmup
@@ -55,10 +56,10 @@ class AutoFreeze:
         coordinates)`` after the ``done`` steps; it is called every ``WINDOW`` steps only."""
         if self.max_steps is not None and t >= self.max_steps:
             return f"the latest bound, {self.max_steps}"
-        if done == 0 or done % WINDOW:
+        if done == 0 or done % WINDOW or done == self.checked:
             return None
         total, zeros, count = measure()
-        previous, self.previous = self.previous, (total, zeros)
+        previous, self.previous, self.checked = self.previous, (total, zeros), done
         if previous is None or t < self.min_steps or total <= 0:
             return None
         change = (total - previous[0]) / total
@@ -69,7 +70,7 @@ class AutoFreeze:
         return None
 
     def state(self) -> dict[str, Any]:
-        return {"min_steps": self.min_steps, "max_steps": self.max_steps,
+        return {"min_steps": self.min_steps, "max_steps": self.max_steps, "checked": self.checked,
                 "previous": None if self.previous is None else list(self.previous)}
 
     @classmethod
@@ -79,6 +80,10 @@ class AutoFreeze:
             raise ValueError(f"auto_freeze must be a dict, got {type(saved).__name__}")
         auto = cls(saved.get("min_steps"), saved.get("max_steps"))
         check_bounds(auto.min_steps, auto.max_steps)
+        checked = saved.get("checked", 0)
+        if isinstance(checked, bool) or not isinstance(checked, int) or checked < 0:
+            raise ValueError(f"auto_freeze.checked must be an int >= 0, got {checked!r}")
+        auto.checked = checked
         previous = saved.get("previous")
         if previous is not None:
             if (not isinstance(previous, (list, tuple)) or len(previous) != 2

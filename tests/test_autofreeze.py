@@ -95,6 +95,22 @@ def test_a_checkpoint_before_the_decision_resumes_to_the_same_decision_bit_for_b
     assert all_equal(clone_params(model.parameters()), clone_params(resumed_model.parameters()))
 
 
+def test_a_skipped_step_does_not_count_as_a_window(monkeypatch):
+    """A step skipped for non-finite gradients leaves the step count, so the next call is the same
+    step again: its check must not compare the variance with itself (a 0% change) and freeze."""
+    monkeypatch.setattr(autofreeze, "CHANGE_TO_FREEZE", 1e-12)  # only a variance that did not move at all
+    model = _model()
+    opt = _make(OnebitAdam, model, freeze_step="auto")
+    _train(model, opt, range(1, 31))
+    for _ in range(3):  # step 31 skipped three times: NaN gradients
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float("nan"))
+        opt.step()
+    assert opt.step_count == 30 and opt.freeze_step is None
+    _train(model, opt, range(31, 61))
+    assert opt.freeze_step is None
+
+
 def test_bad_input_is_refused_with_the_fix():
     params = _model().parameters
     with pytest.raises(ValueError, match="freeze_bounds=\\(1, 5\\) applies only to freeze_step='auto'"):

@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ZeroOneAdam)")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, checkpoint.pt, summary.json")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the learning-rate schedule spans them)")
-    p.add_argument("--freeze-step", type=int, default=None, help="override the config's freeze_step")
+    p.add_argument("--freeze-step", type=lambda v: v if v == "auto" else int(v), default=None,
+                   help="override the config's freeze_step (an int, or 'auto': freeze once the variance has settled)")
     p.add_argument("--var-freeze-step", type=int, default=None,
                    help="override the config's var_freeze_step (ZeroOneAdam)")
     p.add_argument("--lr", type=float, default=None, help="override the config's (peak) lr")
@@ -334,10 +335,12 @@ def shard_model(model, masks: dict, world_size: int, shards: int, device: torch.
     return model, {params[name]: mask for name, mask in by_name.items()}, mesh["replicate"]
 
 
-def first_phase_steps(optimizer) -> int:
+def first_phase_steps(optimizer) -> int | str:
     """The length of the optimizer's first phase: ``freeze_step`` (1-bit Adam and LAMB: the
     full-precision warmup) or ``var_freeze_step`` (0/1 Adam: until the variance is frozen)."""
-    return optimizer.var_freeze_step if isinstance(optimizer, onebit.ZeroOneAdam) else optimizer.freeze_step
+    if isinstance(optimizer, onebit.ZeroOneAdam):
+        return optimizer.var_freeze_step
+    return "auto" if optimizer.freeze_step is None else optimizer.freeze_step  # 'auto' until it decides
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
