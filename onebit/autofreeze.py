@@ -12,12 +12,13 @@ safe when that denominator no longer moves:
   momentum once frozen (1 bit cannot send a 0), so a rare token row that has not had a gradient
   yet would never train; the count of zero-variance coordinates must have stopped falling.
 
-Every ``WINDOW`` steps from ``WINDOW`` on, the optimizer sums the denominator and counts the
-zero-variance coordinates over its compressed buckets (one pass over the variance, no
+Every ``WINDOW`` steps (at the start of steps 11, 21, ...), the optimizer sums the denominator and
+counts the zero-variance coordinates over its compressed buckets (one pass over the variance, no
 communication: during warmup the variance is the same on every rank of the group, because the
-gradients are averaged, so every rank takes the same decision at the same step), compares with the
-previous check, and freezes at the first check at or after ``min_steps`` that meets the three
-conditions, or at ``max_steps``. What it compared with is saved in the state dict, so that a
+gradients are averaged, so every rank takes the same decision at the same step) and compares with
+the previous check. The first check at or after ``min_steps`` that meets the three conditions makes
+the step it runs in the last warmup step (so the run is exactly the run with that fixed
+``freeze_step``); ``max_steps``, if given, is the last warmup step at the latest. What it compared with is saved in the state dict, so that a
 resume (on any world size) takes the same decision. With DTensor parameters each onebit group
 decides from its own shards.
 """
@@ -113,7 +114,7 @@ def measure(buckets: list, groups: list[dict[str, Any]], t: int) -> tuple[float,
         beta2 = group["betas"][1]
         bc2 = 1.0 - beta2 ** t if group.get("bias_correction", False) else 1.0
         v = bucket.buffers["exp_avg_sq"]
-        total += float(torch.sqrt(v.double() / bc2).sum())
-        zeros += float(torch.count_nonzero(v == 0)) - (bucket.padded - bucket.numel)  # the padding is always 0
+        total += float(torch.div(v, bc2).sqrt_().sum(dtype=torch.float64))
+        zeros += bucket.numel - float(torch.count_nonzero(v))  # (the padding is always 0: not counted)
         count += bucket.numel
     return total, zeros, count
