@@ -18,8 +18,9 @@ communication: during warmup the variance is the same on every rank of the group
 gradients are averaged, so every rank takes the same decision at the same step) and compares with
 the previous check. The first check at or after ``min_steps`` that meets the three conditions makes
 the step it runs in the last warmup step (so the run is exactly the run with that fixed
-``freeze_step``); ``max_steps``, if given, is the last warmup step at the latest. What it compared with is saved in the state dict, so that a
-resume (on any world size) takes the same decision. With DTensor parameters each onebit group
+``freeze_step``); ``max_steps``, if given, is the last warmup step at the latest. What it
+compared with is saved in the state dict, so that a resume (on any world size) takes the same
+decision. With DTensor parameters each onebit group
 decides from its own shards.
 """
 
@@ -49,7 +50,8 @@ class AutoFreeze:
     min_steps: int = MIN_STEPS
     max_steps: int | None = None
     previous: tuple[float, float] | None = None
-    checked: int = 0  # the steps done at the last check (a step skipped for non-finite gradients is not checked twice)
+    # the steps done at the last check (a step skipped for non-finite gradients is not checked twice)
+    checked: int = 0
 
     def check(self, t: int, done: int, measure) -> str | None:
         """At the start of step ``t``, ``done`` steps applied: why ``t`` is to be the last warmup

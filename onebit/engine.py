@@ -33,7 +33,6 @@ from .kernels import KernelSet, get_kernels
 from .lifecycle import Lifecycle
 from .state import StateDictContract
 from .hierarchy import Topology, build_topology, check_hierarchy
-from .shards import check_whole_tensors
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import check_common_group, check_engine_options, check_flag, check_params, refuse_unknown
 
@@ -120,8 +119,6 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
     # parameter left alone for want of a gradient keeps its other state as it was).
     _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ()
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
-    # Whether the update reads whole-tensor quantities (LAMB's norms), which a shard alone does not have.
-    _WHOLE_TENSOR_UPDATE: ClassVar[bool] = False
     PLAN_NAMES: ClassVar[tuple[str, ...]] = ()
 
     # torch.amp.GradScaler: set ``grad_scale``/``found_inf`` on the optimizer and always call step().
@@ -281,8 +278,6 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
     def _build_group_buckets(self, index: int) -> None:
         group = self.param_groups[index]
         for params in split_into_buckets(group["params"], self.bucket_size):
-            if self._WHOLE_TENSOR_UPDATE:
-                check_whole_tensors(params, type(self).__name__)
             bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
                             [name for name in self._BUFFERS if name not in self._LAZY], self._SCALARS,
                             topology=self._topology)

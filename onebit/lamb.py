@@ -9,6 +9,7 @@ import torch
 
 from . import functional as F
 from .buckets import Bucket
+from .shards import reduce_over_shards_
 from .frozen import FrozenVarianceOptimizer
 from .validation import check_number, refuse
 
@@ -88,7 +89,6 @@ class OnebitLamb(FrozenVarianceOptimizer):
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq", "exp_avg_sq_fresh")
     _SCALARS: ClassVar[dict[str, float]] = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0}
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff")
-    _WHOLE_TENSOR_UPDATE: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -145,7 +145,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         updates = bucket.view(F.adam_direction_(bucket.scratch("update"), m, v, group["eps"]))
         if group["weight_decay"] != 0:
             torch._foreach_add_(updates, self._float(bucket.params), alpha=group["weight_decay"])
-        coeff = F.lamb_trust_ratio(self._norms(bucket.params), self._norms(updates), group["min_coeff"],
+        coeff = F.lamb_trust_ratio(self._norms(bucket, bucket.params), self._norms(bucket, updates), group["min_coeff"],
                                    group["max_coeff"])
         if self._in_warmup(t):
             frozen = bucket.scalars["lamb_coeff_freeze"]
@@ -174,13 +174,13 @@ class OnebitLamb(FrozenVarianceOptimizer):
         self._frozen_denominator(bucket, eps)
         ratio = F.adam_denominator_(work, fresh, eps)
         torch.div(bucket.derived.denominator, ratio, out=ratio).mul_(bucket.scratch("live"))
-        max_ratio = _maxima(bucket.view(ratio))
+        max_ratio = _maxima(bucket, bucket.view(ratio))
         updates = bucket.view(torch.div(m, bucket.derived.denominator, out=bucket.scratch("update")))
         prelim_norms = update_norms = None
         if weight_decay != 0:
-            prelim_norms = self._norms(updates)
+            prelim_norms = self._norms(bucket, updates)
             torch._foreach_add_(updates, self._float(bucket.params), alpha=weight_decay)
-            update_norms = self._norms(updates)
+            update_norms = self._norms(bucket, updates)
         last = bucket.scalars["last_factor"]
         last.copy_(F.lamb_factor(max_ratio, prelim_norms, update_norms, last, self.factor_min, self.factor_max,
                                  self.factor_threshold))
@@ -206,8 +206,12 @@ class OnebitLamb(FrozenVarianceOptimizer):
     def _float(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [t if t.dtype == torch.float32 else t.float() for t in tensors]
 
-    def _norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(torch._foreach_norm(self._float(tensors)))
+    def _norms(self, bucket: Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Each tensor's L2 norm; of the whole tensor for a DTensor shard (its shards' squares summed)."""
+        norms = torch.stack(torch._foreach_norm(self._float(tensors)))
+        if not bucket.sharded:
+            return norms
+        return reduce_over_shards_(norms.square(), bucket.owners, torch.distributed.ReduceOp.SUM).sqrt_()
 
     @staticmethod
     def _apply(bucket: Bucket, updates: list[torch.Tensor], coeff: torch.Tensor, lr: float) -> None:
@@ -220,8 +224,14 @@ class OnebitLamb(FrozenVarianceOptimizer):
             p.add_(u.to(p.dtype))
 
 
-def _maxima(views: list[torch.Tensor]) -> torch.Tensor:
-    """The maximum of each view (1 for an empty one, whose factor is then neutral)."""
-    if all(v.numel() for v in views):
-        return torch.stack(torch._foreach_max(views))
-    return torch.stack([v.max() if v.numel() else v.new_ones(()) for v in views])
+def _maxima(bucket: Bucket, views: list[torch.Tensor]) -> torch.Tensor:
+    """The maximum of each view (1 for an empty tensor, whose factor is then neutral); of the whole
+    tensor for a DTensor shard (the views are >= 0: an empty shard counts 0)."""
+    if not bucket.sharded:
+        if all(v.numel() for v in views):
+            return torch.stack(torch._foreach_max(views))
+        return torch.stack([v.max() if v.numel() else v.new_ones(()) for v in views])
+    local = torch.stack([v.max() if v.numel() else v.new_zeros(()) for v in views])
+    whole = reduce_over_shards_(local, bucket.owners, torch.distributed.ReduceOp.MAX)
+    empty = torch.tensor([p.numel() == 0 for p in bucket.owners], device=whole.device)
+    return whole.masked_fill_(empty, 1.0)

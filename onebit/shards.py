@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "local", "shard_signature", "like_param", "local_value", "mesh_group", "check_whole_tensors"]
+__all__ = ["is_dtensor", "local", "shard_signature", "like_param", "local_value", "mesh_group", "reduce_over_shards_"]
 
 
 def _dtensor_type() -> type | None:
@@ -99,13 +99,23 @@ def mesh_group(group: Any) -> Any:
     return group.get_group()
 
 
-def check_whole_tensors(params: list[torch.Tensor], owner: str) -> None:
-    """Refuse DTensor parameters sharded over some mesh dimension for an update that reads
-    whole-tensor norms (LAMB's trust ratio): a shard's norm is not its tensor's."""
-    for p in params:
-        if is_dtensor(p) and not all(placement.is_replicate() for placement in p.placements):
-            raise NotImplementedError(
-                f"{owner} computes its trust ratio from whole-tensor norms, and a parameter of shape {tuple(p.shape)} "
-                f"is sharded ({tuple(p.placements)}): a shard's norm is not its tensor's, and onebit does not "
-                "all-reduce LAMB's norms over the shard dimension yet; use OnebitAdam or ZeroOneAdam with FSDP2 and "
-                "tensor parallelism, or keep OnebitLamb's parameters replicated")
+def reduce_over_shards_(values: torch.Tensor, owners: list[torch.Tensor], op: Any) -> torch.Tensor:
+    """``values[i]`` (one number per parameter of ``owners``) reduced with ``op`` over the mesh
+    dimensions that parameter ``i`` is sharded on: a shard's sum of squares or maximum becomes its
+    whole tensor's (LAMB's norms). One all-reduce per mesh dimension per layout, in parameter
+    order, so every rank of a shard group calls the same ones."""
+    import torch.distributed as dist
+
+    layouts: dict[tuple[int, tuple[int, ...]], tuple[Any, tuple[int, ...], list[int]]] = {}
+    for i, p in enumerate(owners):
+        if is_dtensor(p):
+            dims = tuple(d for d, placement in enumerate(p.placements) if not placement.is_replicate())
+            if dims:
+                layouts.setdefault((id(p.device_mesh), dims), (p.device_mesh, dims, []))[2].append(i)
+    for mesh, dims, indices in layouts.values():
+        index = torch.tensor(indices, device=values.device)
+        part = values.index_select(0, index)
+        for dim in dims:
+            dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+        values.index_copy_(0, index, part)
+    return values

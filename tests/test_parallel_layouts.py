@@ -178,12 +178,22 @@ def _hsdp(rank: int, world: int) -> dict:
     except ValueError as exc:
         result["save_checkpoint"] = str(exc)
 
-    # 1-bit LAMB refuses sharded parameters: its trust ratio needs whole-tensor norms
-    try:
-        OnebitLamb(model.parameters(), group=mesh["replicate"])
-        result["lamb"] = None
-    except NotImplementedError as exc:
-        result["lamb"] = str(exc)
+    # 1-bit LAMB: its trust ratios and factors read whole-tensor norms and maxima (reduced over the shards):
+    # its warmup equals unsharded 1-bit LAMB over all 4 ranks with the same data; replicas identical after
+    model = _shard_model(mesh["shard"])
+    lamb = OnebitLamb(model.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=WD, group=mesh["replicate"])
+    plain = _mlp()
+    plain_lamb = OnebitLamb(plain.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=WD)
+    for m, o in ((model, lamb), (plain, plain_lamb)):
+        _train(m, o, rank, range(1, FREEZE + 1))
+    shard = mesh["shard"].get_local_rank()
+    result["lamb_warmup_rel"] = max(float((a - b.detach().chunk(2)[shard]).norm() / b.norm())
+                                    for a, b in zip(_locals(model), plain.parameters()) if a.numel())
+    lamb_identical = []
+    _train(model, lamb, rank, range(FREEZE + 1, STEPS + 1),
+           after_step=lambda t: lamb_identical.append(_same_over(replicate, _locals(model))))
+    result["lamb_identical"] = lamb_identical
+    result["lamb_factor"] = lamb.comm_stats()["max_factor"]
 
     # a group that mixes different shards: FSDP over all 4 ranks, onebit over all 4
     world_mesh = init_device_mesh("cpu", (4,))
@@ -209,7 +219,9 @@ def test_hsdp_recipe_warmup_equals_native_hsdp_and_replicas_stay_identical(tmp_p
         assert "torch.distributed.checkpoint" in r["save_checkpoint"]
         assert r["zoadam_identical"]
         assert r["mask_zero_where_masked"] and r["mask_free_elsewhere"]
-        assert "whole-tensor norms" in r["lamb"] and "OnebitAdam or ZeroOneAdam" in r["lamb"]
+        assert r["lamb_warmup_rel"] < 1e-5, (rank, r["lamb_warmup_rel"])
+        assert all(r["lamb_identical"]) and len(r["lamb_identical"]) == STEPS - FREEZE
+        assert 0.5 < r["lamb_factor"] < 4.0
         assert "other shards of the DTensor parameters" in r["mixed"] and "group=mesh['replicate']" in r["mixed"]
         assert r["state_shapes"] == r["local_shapes"]
         assert r["state_bytes"] <= 0.55 * r["unsharded_state_bytes"], (r["state_bytes"], r["unsharded_state_bytes"])
