@@ -195,6 +195,13 @@ def _hsdp(rank: int, world: int) -> dict:
     result["lamb_identical"] = lamb_identical
     result["lamb_factor"] = lamb.comm_stats()["max_factor"]
 
+    # group= takes a 1-D mesh only
+    try:
+        OnebitAdam(_mlp().parameters(), group=mesh)
+        result["two_d_mesh"] = None
+    except ValueError as exc:
+        result["two_d_mesh"] = str(exc)
+
     # a group that mixes different shards: FSDP over all 4 ranks, onebit over all 4
     world_mesh = init_device_mesh("cpu", (4,))
     wrong = _shard_model(world_mesh)
@@ -222,6 +229,7 @@ def test_hsdp_recipe_warmup_equals_native_hsdp_and_replicas_stay_identical(tmp_p
         assert r["lamb_warmup_rel"] < 1e-5, (rank, r["lamb_warmup_rel"])
         assert all(r["lamb_identical"]) and len(r["lamb_identical"]) == STEPS - FREEZE
         assert 0.5 < r["lamb_factor"] < 4.0
+        assert "2-D DeviceMesh ('replicate', 'shard')" in r["two_d_mesh"] and "group=mesh['replicate']" in r["two_d_mesh"]
         assert "other shards of the DTensor parameters" in r["mixed"] and "group=mesh['replicate']" in r["mixed"]
         assert r["state_shapes"] == r["local_shapes"]
         assert r["state_bytes"] <= 0.55 * r["unsharded_state_bytes"], (r["state_bytes"], r["unsharded_state_bytes"])
