@@ -402,35 +402,43 @@ def code_version() -> dict:
     return {"commit": git("rev-parse", "--short", "HEAD").strip(), "onebit_changed_files": changed}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def two_node_parser(doc: str, *, choices_flag: str, choices: list[str], params_label: str, timeouts: tuple[int, int],
+                    stem: str) -> argparse.ArgumentParser:
+    """The command line every two-node benchmark shares (this one and ``hsdp.py``); ``choices_flag``
+    names what it compares (``--schemes``, ``--configs``)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model, 2 rounds, 1 Gbit/s: a smoke test")
     parser.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")], default=None,
                         help="inter-node rates in Gbit/s (default 1,0.1; --quick: 1)")
-    parser.add_argument("--params", type=float, default=None, help="approximate parameters (default 8.4M)")
+    parser.add_argument("--params", type=float, default=None, help=f"approximate parameters (default {params_label})")
     parser.add_argument("--width", type=int, default=None, help="Linear width (default 1024)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 11; --quick: 2)")
-    parser.add_argument("--schemes", type=lambda v: v.split(","), default=list(SCHEMES),
-                        help="comma-separated, from " + ", ".join(SCHEMES))
+    parser.add_argument(f"--{choices_flag}", type=lambda v: v.split(","), default=list(choices),
+                        help="comma-separated, from " + ", ".join(choices))
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--timeout-s", type=float, default=None, help="per launch (default 400; --quick 90)")
+    parser.add_argument("--timeout-s", type=float, default=None,
+                        help=f"per launch (default {timeouts[1]}; --quick {timeouts[0]})")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
-    parser.add_argument("--name", default=None, help="output stem (default hierarchy_2x2; --quick: hierarchy_quick)")
+    parser.add_argument("--name", default=None, help=f"output stem (default {stem}_2x2; --quick: {stem}_quick)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.params = args.params or (2.6e5 if args.quick else 8.4e6)
+    return parser
+
+
+def two_node_defaults(args: argparse.Namespace, params: float, timeouts: tuple[int, int]) -> None:
+    """Fill in the size defaults (``--quick``: a small model, 2 rounds)."""
+    args.params = args.params or (2.6e5 if args.quick else params)
     args.width = args.width or (256 if args.quick else 1024)
     args.rounds = args.rounds or (2 if args.quick else 11)
-    args.timeout_s = args.timeout_s or (90 if args.quick else 400)
-    bad = [s for s in args.schemes if s not in SCHEMES]
-    if bad:
-        parser.error(f"unknown scheme(s) {', '.join(bad)}; expected some of {', '.join(SCHEMES)}")
-    if args.worker:
-        worker(args)
-        return 0
+    args.timeout_s = args.timeout_s or (timeouts[0] if args.quick else timeouts[1])
+
+
+def run_two_node(args: argparse.Namespace, argv: list[str] | None, stem: str, launch, summarize, targets, markdown,
+                 say) -> int:
+    """Every rate: the link, the ranks, the summary (``say(run)`` prints its rows); then the
+    targets, the markdown, and ``<stem>.json`` / ``.md`` in ``--out-dir``. Without namespaces: SKIP, 0."""
     rates = args.rates or ([1.0] if args.quick else [1.0, 0.1])
     reason = netns.unavailable_reason()
     if reason:
@@ -449,19 +457,37 @@ def main(argv: list[str] | None = None) -> int:
         run = summarize(ranks, rate)
         run["wall_s"] = time.monotonic() - started
         result["runs"].append(run)
-        for row in run["schemes"].values():
-            print(f"  {row['label']:<28} step {_ms(row['step_s']):>7} ms (estimate {_ms(row['estimate_step_s']):>6})  "
-                  f"veth {_mb(row['veth_tx_bytes_max']):>8} MB/step/direction (model {_mb(row['estimate_inter_node_bytes'])})",
-                  flush=True)
+        say(run)
     result["targets"] = targets(result["runs"])
     result["load_average_1min_end"] = os.getloadavg()[0]
     text = markdown(result)
     print(text)
-    stem = args.name or ("hierarchy_quick" if args.quick else "hierarchy_2x2")
+    name = args.name or (f"{stem}_quick" if args.quick else f"{stem}_2x2")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / f"{stem}.md").write_text(text)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / f"{name}.md").write_text(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = two_node_parser(__doc__, choices_flag="schemes", choices=list(SCHEMES), params_label="8.4M",
+                             timeouts=(90, 400), stem="hierarchy")
+    args = parser.parse_args(argv)
+    two_node_defaults(args, 8.4e6, (90, 400))
+    bad = [s for s in args.schemes if s not in SCHEMES]
+    if bad:
+        parser.error(f"unknown scheme(s) {', '.join(bad)}; expected some of {', '.join(SCHEMES)}")
+    if args.worker:
+        worker(args)
+        return 0
+
+    def say(run: dict) -> None:
+        for row in run["schemes"].values():
+            print(f"  {row['label']:<28} step {_ms(row['step_s']):>7} ms (estimate {_ms(row['estimate_step_s']):>6})  "
+                  f"veth {_mb(row['veth_tx_bytes_max']):>8} MB/step/direction "
+                  f"(model {_mb(row['estimate_inter_node_bytes'])})", flush=True)
+
+    return run_two_node(args, argv, "hierarchy", launch, summarize, targets, markdown, say)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
-from hierarchy import HEADER_BYTES, _counters, _delta, _mb, _median, _ms, _quartiles, code_version, machine_info  # noqa: E402
+from hierarchy import (HEADER_BYTES, _counters, _delta, _mb, _median, _ms, _quartiles, run_two_node,  # noqa: E402
+                       two_node_defaults, two_node_parser)
 from peers import make_model  # noqa: E402
 
 CONFIGS = ("hsdp_adamw", "hsdp_onebit", "ddp_onebit")
@@ -368,65 +369,24 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small model, 2 rounds, 1 Gbit/s: a smoke test")
-    parser.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")], default=None,
-                        help="inter-node rates in Gbit/s (default 1,0.1; --quick: 1)")
-    parser.add_argument("--params", type=float, default=None, help="approximate parameters (default 4.2M)")
-    parser.add_argument("--width", type=int, default=None, help="Linear width (default 1024)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 11; --quick: 2)")
-    parser.add_argument("--configs", type=lambda v: v.split(","), default=list(CONFIGS),
-                        help="comma-separated, from " + ", ".join(CONFIGS))
-    parser.add_argument("--ranks-per-node", type=int, default=2)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--timeout-s", type=float, default=None, help="per launch (default 300; --quick 100)")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
-    parser.add_argument("--name", default=None, help="output stem (default hsdp_2x2; --quick: hsdp_quick)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser = two_node_parser(__doc__, choices_flag="configs", choices=list(CONFIGS), params_label="4.2M",
+                             timeouts=(100, 300), stem="hsdp")
     args = parser.parse_args(argv)
-    args.params = args.params or (2.6e5 if args.quick else 4.2e6)
-    args.width = args.width or (256 if args.quick else 1024)
-    args.rounds = args.rounds or (2 if args.quick else 11)
-    args.timeout_s = args.timeout_s or (100 if args.quick else 300)
+    two_node_defaults(args, 4.2e6, (100, 300))
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:
         parser.error(f"unknown configuration(s) {', '.join(bad)}; expected some of {', '.join(CONFIGS)}")
     if args.worker:
         worker(args)
         return 0
-    rates = args.rates or ([1.0] if args.quick else [1.0, 0.1])
-    reason = netns.unavailable_reason()
-    if reason:
-        print(f"SKIP: the two-node emulation needs network namespaces: {reason}")
-        return 0
-    result = {"quick": args.quick, "machine": machine_info(), "code": code_version(),
-              "load_average_1min_start": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else argv,
-              "width": args.width, "batch": args.batch, "runs": []}
-    world = args.nodes * args.ranks_per_node
-    for i, rate in enumerate(rates):
-        print(f"--- {rate:g} Gbit/s between {args.nodes} nodes of {args.ranks_per_node} ranks, "
-              f"load {os.getloadavg()[0]:.2f}", flush=True)
-        started = time.monotonic()
-        with netns.SlowLink(world, rate, ranks_per_node=args.ranks_per_node) as link:
-            ranks = launch(link, args, port=29600 + (os.getpid() + i) % 300)
-        run = summarize(ranks, rate)
-        run["wall_s"] = time.monotonic() - started
-        result["runs"].append(run)
+
+    def say(run: dict) -> None:
         for row in run["configs"].values():
             print(f"  {row['label']:<34} step {_ms(row['step_s']):>7} ms  veth {_mb(row['veth_both_bytes_max']):>8} "
                   f"MB/step/node (both ways; model {_mb(row['model_inter_node_bytes'])} per direction)  "
                   f"state {_mb(row['state_bytes_max'])} MB/rank", flush=True)
-    result["targets"] = targets(result["runs"])
-    result["load_average_1min_end"] = os.getloadavg()[0]
-    text = markdown(result)
-    print(text)
-    stem = args.name or ("hsdp_quick" if args.quick else "hsdp_2x2")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / f"{stem}.md").write_text(text)
-    return 0
+
+    return run_two_node(args, argv, "hsdp", launch, summarize, targets, markdown, say)
 
 
 if __name__ == "__main__":
