@@ -180,13 +180,19 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(link: netns.SlowLink, args: argparse.Namespace, port: int) -> list[dict]:
-    """Four ranks (this script, ``--worker``) in the link's namespaces; every process under
-    ``timeout``; the ranks are killed when one fails or time runs out."""
+    return launch_workers(Path(__file__), "schemes", args.schemes, link, args, port)
+
+
+def launch_workers(script: Path, flag: str, choices: list[str], link: netns.SlowLink, args: argparse.Namespace,
+                   port: int) -> list[dict]:
+    """The ranks (``script --worker``, comparing ``--<flag> choices``) in the link's namespaces; every
+    process under ``timeout``; the ranks are killed when one fails or time runs out. Each rank's
+    ``rank<r>.json``, in rank order."""
     world = link.world_size
-    with tempfile.TemporaryDirectory(prefix="onebit-hier-") as tmp:
-        argv = ["timeout", str(int(args.timeout_s)), sys.executable, str(Path(__file__).resolve()), "--worker",
+    with tempfile.TemporaryDirectory(prefix=f"onebit-{script.stem}-") as tmp:
+        argv = ["timeout", str(int(args.timeout_s)), sys.executable, str(script.resolve()), "--worker",
                 "--out", tmp, "--params", str(args.params), "--width", str(args.width), "--batch", str(args.batch),
-                "--rounds", str(args.rounds), "--schemes", ",".join(args.schemes),
+                "--rounds", str(args.rounds), f"--{flag}", ",".join(choices),
                 "--ranks-per-node", str(link.ranks_per_node), "--timeout-s", str(args.timeout_s)]
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1"}

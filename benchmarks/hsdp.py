@@ -40,7 +40,6 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -51,8 +50,8 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
-from hierarchy import (HEADER_BYTES, _counters, _delta, _mb, _median, _ms, _quartiles, run_two_node,  # noqa: E402
-                       two_node_defaults, two_node_parser)
+from hierarchy import (HEADER_BYTES, _counters, _delta, _mb, _median, _ms, _quartiles, launch_workers,  # noqa: E402
+                       run_two_node, two_node_defaults, two_node_parser)
 from peers import make_model  # noqa: E402
 
 CONFIGS = ("hsdp_adamw", "hsdp_onebit", "ddp_onebit")
@@ -180,19 +179,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(link: netns.SlowLink, args: argparse.Namespace, port: int) -> list[dict]:
-    """Four ranks (this script, ``--worker``) in the link's namespaces; every process under
-    ``timeout``; the ranks are killed when one fails or time runs out."""
-    world = link.world_size
-    with tempfile.TemporaryDirectory(prefix="onebit-hsdp-") as tmp:
-        argv = ["timeout", str(int(args.timeout_s)), sys.executable, str(Path(__file__).resolve()), "--worker",
-                "--out", tmp, "--params", str(args.params), "--width", str(args.width), "--batch", str(args.batch),
-                "--rounds", str(args.rounds), "--configs", ",".join(args.configs),
-                "--ranks-per-node", str(link.ranks_per_node), "--timeout-s", str(args.timeout_s)]
-        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONUNBUFFERED": "1"}
-        netns.wait_ranks([link.popen(rank, argv, {**env, "RANK": str(rank)}) for rank in range(world)],
-                         args.timeout_s + 10)
-        return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
+    """Four ranks (this script, ``--worker``) in the link's namespaces (see ``hierarchy.launch_workers``)."""
+    return launch_workers(Path(__file__), "configs", args.configs, link, args, port)
 
 
 # ---------------------------------------------------------------------------------------------- summary
