@@ -215,6 +215,33 @@ def _quartiles(values: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
+def timing_medians(per_rank: list[list[dict]]) -> dict:
+    """Medians over rounds of each rank's rows (``step_s``, ``fwd_bwd_s``, ``opt_s``); a round's time
+    is its slowest rank's."""
+    rounds = len(per_rank[0])
+
+    def slowest(key: str) -> list[float]:
+        return [max(rows[i][key] for rows in per_rank) for i in range(rounds)]
+
+    steps = slowest("step_s")
+    return {"steps_s": steps, "step_s": _median(steps), "step_s_quartiles": _quartiles(steps),
+            "fwd_bwd_s": _median(slowest("fwd_bwd_s")), "opt_s": _median(slowest("opt_s"))}
+
+
+def veth_medians(node: int, counters: list[dict]) -> dict:
+    """A node's interface counters, median over rounds: its veth's tx / rx / both ways (bytes and
+    tx packets, and the payload without headers) and its loopback's tx."""
+    def median(f) -> float:
+        return _median(f(x) for x in counters)
+
+    return {"node": node, "tx_bytes": median(lambda x: x["veth"]["tx_bytes"]),
+            "rx_bytes": median(lambda x: x["veth"]["rx_bytes"]),
+            "both_bytes": median(lambda x: x["veth"]["tx_bytes"] + x["veth"]["rx_bytes"]),
+            "tx_packets": median(lambda x: x["veth"]["tx_packets"]),
+            "tx_payload_bytes": median(lambda x: x["veth"]["tx_bytes"] - HEADER_BYTES * x["veth"]["tx_packets"]),
+            "lo_tx_bytes": median(lambda x: x["lo"]["tx_bytes"])}
+
+
 def summarize(ranks: list[dict], rate_gbit: float) -> dict:
     """Medians over rounds; a round's time is its slowest rank's; bytes per node (each direction)."""
     from onebit.estimate import estimate_two_level
@@ -227,21 +254,9 @@ def summarize(ranks: list[dict], rate_gbit: float) -> dict:
     for name in first["schemes"]:
         per_rank = [r["schemes"][name] for r in ranks]
         rounds = len(per_rank[0])
-        steps = [max(rows[i]["step_s"] for rows in per_rank) for i in range(rounds)]
-        row = {"label": LABELS[name], "steps_s": steps, "step_s": _median(steps), "step_s_quartiles": _quartiles(steps),
-               "fwd_bwd_s": _median(max(rows[i]["fwd_bwd_s"] for rows in per_rank) for i in range(rounds)),
-               "opt_s": _median(max(rows[i]["opt_s"] for rows in per_rank) for i in range(rounds))}
-        veth = []  # per node: what it sent (tx) and received (rx) on its veth, and on lo
-        for reader in readers:
-            rows = reader["schemes"][name]
-            c = [x["counters"] for x in rows]
-            veth.append({"node": reader["node"],
-                         "tx_bytes": _median(x["veth"]["tx_bytes"] for x in c),
-                         "rx_bytes": _median(x["veth"]["rx_bytes"] for x in c),
-                         "tx_packets": _median(x["veth"]["tx_packets"] for x in c),
-                         "tx_payload_bytes": _median(x["veth"]["tx_bytes"] - HEADER_BYTES * x["veth"]["tx_packets"]
-                                                     for x in c),
-                         "lo_tx_bytes": _median(x["lo"]["tx_bytes"] for x in c)})
+        row = {"label": LABELS[name], **timing_medians(per_rank)}
+        # per node: what it sent (tx) and received (rx) on its veth, and on lo
+        veth = [veth_medians(reader["node"], [x["counters"] for x in reader["schemes"][name]]) for reader in readers]
         row["veth_per_node"] = veth
         row["veth_tx_bytes_max"] = max(v["tx_bytes"] for v in veth)
         if "stats" in per_rank[0][0]:

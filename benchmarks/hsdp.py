@@ -50,8 +50,8 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
-from hierarchy import (HEADER_BYTES, _counters, _delta, _mb, _median, _ms, _quartiles, launch_workers,  # noqa: E402
-                       run_two_node, two_node_defaults, two_node_parser)
+from hierarchy import (_counters, _delta, _mb, _median, _ms, launch_workers,  # noqa: E402
+                       run_two_node, timing_medians, two_node_defaults, two_node_parser, veth_medians)
 from peers import make_model  # noqa: E402
 
 CONFIGS = ("hsdp_adamw", "hsdp_onebit", "ddp_onebit")
@@ -214,21 +214,10 @@ def summarize(ranks: list[dict], rate_gbit: float) -> dict:
     for name in first["configs"]:
         per_rank = [r["configs"][name] for r in ranks]
         rounds = len(per_rank[0])
-        steps = [max(rows[i]["step_s"] for rows in per_rank) for i in range(rounds)]
-        row = {"label": LABELS[name], "steps_s": steps, "step_s": _median(steps), "step_s_quartiles": _quartiles(steps),
-               "fwd_bwd_s": _median(max(rows[i]["fwd_bwd_s"] for rows in per_rank) for i in range(rounds)),
-               "opt_s": _median(max(rows[i]["opt_s"] for rows in per_rank) for i in range(rounds))}
+        row = {"label": LABELS[name], **timing_medians(per_rank)}
         veth = []  # per node: what it sent (tx) and received (rx) on its veth, and on lo
         for reader in readers:
-            c = [x["counters"] for x in reader["configs"][name]]
-            veth.append({"node": reader["node"],
-                         "tx_bytes": _median(x["veth"]["tx_bytes"] for x in c),
-                         "rx_bytes": _median(x["veth"]["rx_bytes"] for x in c),
-                         "both_bytes": _median(x["veth"]["tx_bytes"] + x["veth"]["rx_bytes"] for x in c),
-                         "tx_packets": _median(x["veth"]["tx_packets"] for x in c),
-                         "tx_payload_bytes": _median(x["veth"]["tx_bytes"] - HEADER_BYTES * x["veth"]["tx_packets"]
-                                                     for x in c),
-                         "lo_tx_bytes": _median(x["lo"]["tx_bytes"] for x in c)})
+            veth.append(veth_medians(reader["node"], [x["counters"] for x in reader["configs"][name]]))
             # the untimed steps: for onebit the warmup step (full-precision all-reduce) comes first
             u = reader["untimed"][name]
             veth[-1]["untimed_both_bytes"] = [x["counters"]["veth"]["tx_bytes"] + x["counters"]["veth"]["rx_bytes"]
