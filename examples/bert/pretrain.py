@@ -528,7 +528,7 @@ def train(args: argparse.Namespace) -> dict:
     metrics.write(event="start", step=start, world_size=world_size, num_params=num_params, device=str(device),
                   backend=world.name, config=config, settings=settings, resumed=bool(args.resume),
                   train_blocks=data.train.shape[0], val_blocks=data.val.shape[0])
-    logger.info("%s: %.2fM parameters, %d ranks (%s, %s), %d train / %d val blocks of %d tokens, %s: %s %d; "
+    logger.info("%s: %.2fM parameters, %d ranks (%s, %s), %d train / %d val blocks of %d tokens, %s: %s %s; "
                 "steps: %s", args.model, num_params / 1e6, world_size, world.name, device, data.train.shape[0],
                 data.val.shape[0], args.seq_len, type(optimizer).__name__,
                 "var_freeze_step" if isinstance(optimizer, onebit.ZeroOneAdam) else "freeze_step",
