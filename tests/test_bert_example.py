@@ -172,6 +172,17 @@ def test_pretrain_on_the_hsdp_recipe_trains_with_identical_replicas_and_saves_a_
     assert (out / "checkpoint_dcp" / ".metadata").is_file() and not (out / "checkpoint.pt").exists()
 
 
+def test_freeze_step_auto_reaches_the_optimizer_and_its_phase_length_reads_auto_until_decided():
+    args = pretrain.parse_args(["--out", "x", "--freeze-step", "auto"])
+    config = pretrain.read_config(args)
+    assert config["optimizer"]["params"]["freeze_step"] == "auto"
+    model = torch.nn.Linear(4, 2)
+    optimizer = pretrain.build_optimizer(model.parameters(), {**config, "optimizer": {
+        **config["optimizer"], "params": {**config["optimizer"]["params"], "comm_backend_name": "local"}}}, {})
+    assert pretrain.first_phase_steps(optimizer) == "auto"
+    assert pretrain.parse_args(["--out", "x", "--freeze-step", "40"]).freeze_step == 40
+
+
 def test_resume_refuses_a_missing_checkpoint_or_other_settings(tmp_path):
     args = pretrain.parse_args(["--out", str(tmp_path), "--resume"])
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
