@@ -348,6 +348,8 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         average of parameters and momenta now); for the others a check. Call it on every rank, e.g.
         at the end of training, before rank 0 saves the model; the adapters call it at the end of
         ``fit``/``train``."""
+        for bucket in self._buckets:
+            bucket.refresh()
         self._synchronize()
         if self._backend.world_size == 1:
             return
