@@ -33,6 +33,7 @@ from .kernels import KernelSet, get_kernels
 from .lifecycle import Lifecycle
 from .state import StateDictContract
 from .hierarchy import Topology, build_topology, check_hierarchy
+from .shards import first_shard
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import check_common_group, check_engine_options, check_flag, check_params, refuse_unknown
 
@@ -330,6 +331,13 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         return True
 
     @property
+    def _speaks(self) -> bool:
+        """Whether this rank logs the optimizer's info lines (phase switches, loads): rank 0 of its
+        group, and, with DTensor shards, only the first shard's group (warnings are said by rank 0
+        of every group: they concern that group's shards)."""
+        return self._backend.rank == 0 and first_shard([p for b in self._buckets if b.sharded for p in b.owners])
+
+    @property
     def step_count(self) -> int:
         """Number of ``step()`` calls applied (restored by ``load_state_dict``)."""
         return self._step
@@ -461,7 +469,7 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
             self._layout_checked = True
         self._steps_taken += 1
         if self._load_note is not None:
-            if self._backend.rank == 0:
+            if self._speaks:
                 logger.info(*self._load_note)
             self._load_note = None
         applied = self._run(plan, t)

@@ -75,7 +75,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         reason = self._auto.check(t, done, lambda: autofreeze.measure(self._buckets, self.param_groups, done))
         if reason is not None:
             self.freeze_step = t
-            if self._backend.rank == 0:
+            if self._speaks:
                 logger.info("onebit: step %d: freeze_step='auto' makes this the last warmup step (%s)", t, reason)
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
@@ -84,7 +84,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         for bucket in buckets:
             bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
-        if self._backend.rank == 0:
+        if self._speaks:
             what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
             logger.info(
                 "onebit: step %d: %s 1-bit compressed momentum%s", t, what,

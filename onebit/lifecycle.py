@@ -129,7 +129,7 @@ class Lifecycle:
         self._invalidate()
         self._layout_checked = False
         self._trainable_at_build = self._trainable()
-        if self._backend.rank == 0:
+        if self._speaks:
             logger.info("onebit: step %d: the trainable parameters changed (%d of %d now): buckets laid out again, "
                         "compression errors reset", self._step + 1, sum(self._trainable_at_build),
                         len(self._trainable_at_build))

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "local", "shard_signature", "like_param", "local_value", "mesh_group", "reduce_over_shards_"]
+__all__ = ["is_dtensor", "local", "shard_signature", "like_param", "local_value", "mesh_group", "reduce_over_shards_",
+           "first_shard"]
 
 
 def _dtensor_type() -> type | None:
@@ -119,3 +120,15 @@ def reduce_over_shards_(values: torch.Tensor, owners: list[torch.Tensor], op: An
             dist.all_reduce(part, op=op, group=mesh.get_group(dim))
         values.index_copy_(0, index, part)
     return values
+
+
+def first_shard(params: list[torch.Tensor]) -> bool:
+    """Whether this rank holds the first shard of every sharded DTensor in ``params`` (coordinate 0
+    on each sharded mesh dimension); True without DTensors. Rank 0 of each shard's optimizer group
+    would say the same info line once per shard: only the first shard's says it."""
+    for p in params:
+        if is_dtensor(p):
+            coordinate = p.device_mesh.get_coordinate() or []
+            if any(coordinate[d] != 0 for d, placement in enumerate(p.placements) if not placement.is_replicate()):
+                return False
+    return True

@@ -216,7 +216,7 @@ class ZeroOneAdam(OnebitOptimizer):
             bucket.buffers["momentum_accumulator"].zero_()
             bucket.scalars["lr_sum"].zero_()
         self._synced_at = self._step
-        if self._backend.rank == 0:
+        if self._speaks:
             logger.info("onebit: synchronize() after step %d: parameters and momenta averaged over %d ranks",
                         self._step, self._backend.world_size)
 
@@ -239,7 +239,7 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _apply_schedule(self, schedule: dict[str, Any], log: bool = True) -> None:
         for key, value in schedule.items():
-            if log and value != getattr(self, key) and self._backend.rank == 0:
+            if log and value != getattr(self, key) and self._speaks:
                 logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, value, getattr(self, key))
             setattr(self, key, value)
 
@@ -389,7 +389,7 @@ class ZeroOneAdam(OnebitOptimizer):
             bucket.compression.reset_errors_()
         bucket.release_scratch()
         first = next(b for b in self._buckets if b.compression is not None)
-        if self._backend.rank == 0 and bucket is first:
+        if self._speaks and bucket is first:
             logger.info("onebit: step %d: variance frozen; local steps with 1-bit syncs from now on",
                         self._step + 1)
 

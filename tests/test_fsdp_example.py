@@ -29,10 +29,10 @@ def _run(*args: str) -> str:
 def test_hsdp_example_trains_saves_and_resumes_on_another_layout(tmp_path):
     checkpoint = tmp_path / "dcp"
     out = _run("--steps", "14", "--freeze-step", "6", "--bf16", "--accumulate", "2", "--save", str(checkpoint))
-    assert "step 7: variance frozen, switching to 1-bit compressed momentum" in out, out[-4000:]
+    assert out.count("step 7: variance frozen, switching to 1-bit compressed momentum") == 1, out[-4000:]
     assert "replicas identical after step 14" in out and f"saved a torch.distributed.checkpoint to {checkpoint}" in out
     assert "for 3201 of 6337 parameters" in out  # the state of rank 0's shard (uneven: 6337 is odd)
     out = _run("--replicas", "1", "--steps", "4", "--freeze-step", "6", "--load", str(checkpoint))
-    # one optimizer per rank (a group of one each): each says it once
-    assert out.count("loaded optimizer state at step 14 (next: a compression step); compression errors reset") == 4, out[-4000:]
+    # one optimizer per rank (a group of one each); the first shard's says it
+    assert out.count("loaded optimizer state at step 14 (next: a compression step); compression errors reset") == 1, out[-4000:]
     assert "replicas identical after step 18" in out
