@@ -170,18 +170,23 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
     return LoadedState(step, schedule, hypers, entries, others)
 
 
-def _meta(sd: Mapping[str, Any], owner: str) -> Mapping[str, Any]:
-    """The ``"onebit"`` entry: in every param group (version 3), or at the top level (1 and 2)."""
+def _metas(sd: Mapping[str, Any]) -> list[Any]:
+    """Where the ``"onebit"`` entry is: ``[it]`` at the top level (versions 1 and 2), else each
+    param group's (version 3; None where a group has none); ``[]`` without groups."""
     if "onebit" in sd:
-        meta = sd["onebit"]
-    else:
-        groups = sd["param_groups"]
-        metas = [g.get("onebit") for g in groups if isinstance(g, Mapping)] if isinstance(groups, (list, tuple)) else []
-        if not metas or any(m is None for m in metas):
-            _fail(f"no 'onebit' entry in its param groups (this looks like a torch.optim state dict, not {owner}'s)")
-        if any(m != metas[0] for m in metas[1:]):
-            _fail("the param groups disagree on their 'onebit' entry (step, schedule); the checkpoint is corrupt")
-        meta = metas[0]
+        return [sd["onebit"]]
+    groups = sd.get("param_groups")
+    return [g.get("onebit") for g in groups if isinstance(g, Mapping)] if isinstance(groups, (list, tuple)) else []
+
+
+def _meta(sd: Mapping[str, Any], owner: str) -> Mapping[str, Any]:
+    """The ``"onebit"`` entry, validated: the same in every param group (version 3)."""
+    metas = _metas(sd)
+    if not metas or any(m is None for m in metas):
+        _fail(f"no 'onebit' entry in its param groups (this looks like a torch.optim state dict, not {owner}'s)")
+    if any(m != metas[0] for m in metas[1:]):
+        _fail("the param groups disagree on their 'onebit' entry (step, schedule); the checkpoint is corrupt")
+    meta = metas[0]
     if not isinstance(meta, Mapping):
         _fail(f"'onebit' must be a dict, got {type(meta).__name__}")
     return meta
@@ -189,12 +194,8 @@ def _meta(sd: Mapping[str, Any], owner: str) -> Mapping[str, Any]:
 
 def saved_step(sd: Any) -> Any:
     """The step a state dict says it was saved at (either format), or None where it says none."""
-    if not isinstance(sd, Mapping):
-        return None
-    meta = sd.get("onebit")
-    if meta is None and isinstance(sd.get("param_groups"), (list, tuple)) and sd["param_groups"]:
-        first = sd["param_groups"][0]
-        meta = first.get("onebit") if isinstance(first, Mapping) else None
+    metas = _metas(sd) if isinstance(sd, Mapping) else []
+    meta = metas[0] if metas else None
     return meta.get("step") if isinstance(meta, Mapping) else None
 
 
