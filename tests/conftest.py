@@ -8,6 +8,8 @@ switched to one of them builds exactly the tensors it built before.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 
@@ -41,3 +43,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (``-0.0`` is not ``+0.0``), shapes included."""
     return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+class LogMessages(logging.Handler):
+    """Collects the messages of the records it handles (at ``level`` and above) in ``messages``;
+    for ranks that count what the library logged (attach it to ``logging.getLogger('onebit')``)."""
+
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import clone_params
+from conftest import LogMessages, clone_params
 from distributed import run_ranks
 from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from onebit.integrations import attach_ddp
@@ -26,15 +26,6 @@ SCHEDULES = {
     ZeroOneAdam: dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
 }
 STEPS = 12
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _model() -> torch.nn.Module:
@@ -78,7 +69,7 @@ def _none_grads(cls, rank: int) -> dict:
 
 
 def _forgotten_adapter(cls, rank: int, divergence: str) -> dict:
-    records = _Records()
+    records = LogMessages()
     logging.getLogger("onebit").addHandler(records)
     model = DDP(_model())
     opt = cls(model.parameters(), lr=1e-2, divergence=divergence, **SCHEDULES[cls])
@@ -96,7 +87,7 @@ def _forgotten_adapter(cls, rank: int, divergence: str) -> dict:
 
 def _attached(cls, rank: int) -> dict:
     """With the adapter: no warning. Attached after a step: refused."""
-    records = _Records()
+    records = LogMessages()
     logging.getLogger("onebit").addHandler(records)
     model = DDP(_model())
     opt = cls(model.parameters(), lr=1e-2, **SCHEDULES[cls])

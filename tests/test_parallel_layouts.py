@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import LogMessages
 from distributed import run_ranks
 from onebit import (OnebitAdam, OnebitLamb, ZeroOneAdam, load_compression_errors, save_checkpoint,
                     save_compression_errors)
@@ -389,20 +390,11 @@ def _load(model, opt, path: str) -> None:
     set_optimizer_state_dict(model, opt, sd["optim"])
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _checkpoint_leg(rank: int, world: int, load_from: str | None, layouts: list[str], directory: str) -> dict:
     """Load ``load_from`` (if any) into each layout in turn, compare with what was saved, train two
     steps, save; what each layout saved, as full tensors, is the next one's reference."""
     import pathlib
-    lines = _Lines()
+    lines = LogMessages(logging.INFO)
     logging.getLogger("onebit").addHandler(lines)
     logging.getLogger("onebit").setLevel(logging.INFO)
     result: dict = {"loaded": [], "steps": []}
@@ -440,8 +432,8 @@ def _checkpoint_leg(rank: int, world: int, load_from: str | None, layouts: list[
             _train(model, opt, rank, range(start, start + 2))
             _train(again, again_opt, rank, range(start, start + 2))
             result["exact_bit_for_bit"] = all(torch.equal(a, b) for a, b in zip(_locals(model), _locals(again)))
-            result["exact_lines"] = sum("compression errors restored (exact resume)" in line for line in lines.lines)
-    result["reset_lines"] = sum("compression errors reset" in line for line in lines.lines)
+            result["exact_lines"] = sum("compression errors restored (exact resume)" in line for line in lines.messages)
+    result["reset_lines"] = sum("compression errors reset" in line for line in lines.messages)
     return result
 
 
