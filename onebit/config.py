@@ -92,6 +92,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "local_step_clipper": (_integer, "an integer (the largest sync interval, in steps)"),
     "bias_correction": (lambda v: isinstance(v, bool), "true or false"),
     "cuda_aware": (lambda v: isinstance(v, bool), "true or false"),
+    "overlap_backward": (lambda v: isinstance(v, bool), "true or false"),
     "comm_backend_name": (_optional_str, "a string such as \"gloo\", \"nccl\", \"hccl\" or \"mpi\", or null"),
     "bucket_size": (_integer, "an integer (elements per bucket)"),
     "kernels": (_optional_str, "a string such as \"auto\" or \"reference\", or null"),

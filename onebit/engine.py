@@ -19,6 +19,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -27,6 +28,7 @@ from .backends import CommBackend, resolve_backend
 from .buckets import (Bucket, all_finite, build_keep_mask, check_grads, check_layout, grads_of, ranks_differing,
                       set_masks, split_into_buckets)
 from .collectives import finish_, start_server_, start_worker_
+from .overlap import Overlap, Round
 from .health import HEALTH_CHECK_INTERVAL, Health, error_ratio
 from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
@@ -97,10 +99,21 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
             of :mod:`onebit.hierarchy`, whose traffic between nodes is about ``2 (P-1)/P * M/8``
             bytes per node (``P`` nodes) instead of ``L (P-1)/P * M/8 + M/8``. One node, one rank
             per node, or nodes of different sizes fall back to flat, with one log line. Needs a
-            torch.distributed transport. Parameters stay bit-identical on every rank.
+            torch.distributed transport. Parameters stay bit-identical on every rank. Not with
+            ``overlap_backward``.
         hierarchy_variant: ``'compressed'`` (default: 1-bit inside nodes too, three error
             feedbacks) or ``'node_mean'`` (an exact float32 mean inside each node, 1-bit between
             nodes only); see :mod:`onebit.hierarchy` and the README for when each wins.
+        overlap_backward: ``False`` (default): every step communicates inside ``step()``.
+            ``True``: each bucket's communication starts during backward, as soon as its
+            gradients are there (gradient hooks, buckets started in reverse order, as DDP does):
+            the full-precision average of warmup (and of 0/1 Adam's variance steps) and the
+            compression and all-to-all of a compressed step; ``step()`` finishes it. Same numbers
+            as without it, step for step (see :mod:`onebit.overlap`); costs a copy of the worker
+            error per compressed step and a buffer for the staged momentum. Run the micro-batches
+            of gradient accumulation but the last under :meth:`no_sync`; gradients changed after
+            backward (clipping) make ``step()`` redo the communication (said once). Not with
+            ``torch.amp.GradScaler`` (its scale is known only at ``step()``) nor ``hierarchy``.
     """
 
     # What a subclass declares: per-element state buffers (param-shaped in the state dict), the
@@ -121,6 +134,10 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
     _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ()
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
     PLAN_NAMES: ClassVar[tuple[str, ...]] = ()
+    # Compressed plans whose _compress_input leaves the state untouched when self._staging is set
+    # (writing what it computes to buffers of its own): overlap_backward starts them during backward.
+    _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset()
+    _DOUBLE_CHECKS: ClassVar[int] = DOUBLE_AVERAGE_CHECKS
 
     # torch.amp.GradScaler: set ``grad_scale``/``found_inf`` on the optimizer and always call step().
     _step_supports_amp_scaling = True
@@ -142,11 +159,15 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         divergence: str = "warn",
         hierarchy: Any = None,
         hierarchy_variant: str = "compressed",
+        overlap_backward: bool = False,
         **unknown: Any,
     ) -> None:
         refuse_unknown(type(self).__name__, unknown)
         check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
         check_hierarchy(hierarchy, hierarchy_variant)
+        check_flag("overlap_backward", overlap_backward)
+        if overlap_backward and hierarchy is not None:
+            raise ValueError(f"overlap_backward=True does not work with hierarchy={hierarchy!r} yet; pass one of them")
         defaults = {**defaults, "compress": True}
         self._check_group(defaults)
         self.bucket_size = bucket_size
@@ -164,6 +185,8 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         self._compressed_steps = 0  # counts the health checks' interval
         self._timed = StepTimers()
         self._backend: InstrumentedBackend | None = None
+        self._staging = False  # _compress_input must leave the state as it is (see onebit.overlap)
+        self._overlap: Overlap | None = None
         super().__init__(params, defaults)
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
@@ -180,6 +203,9 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         set_masks(self._buckets, momentum_masks or {}, self._MASKED)
         self._momentum_masks = dict(momentum_masks or {})
         self._trainable_at_build = self._trainable()
+        if overlap_backward:
+            self._overlap = Overlap(self)
+            self._overlap.attach(self._buckets)
 
     # ----------------------------------------------------------------- what a subclass provides
 
@@ -222,6 +248,11 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
     def _before_update(self, bucket: Bucket, t: int) -> None:
         """Allocate what step ``t`` would allocate for ``bucket`` (called before some of its
         parameters' values are held through the step, see :meth:`Bucket.hold`)."""
+
+    def _decode_target(self, bucket: Bucket) -> torch.Tensor:
+        """Where the compressed average of a staged bucket's input is decoded (see
+        ``_STAGED_PLANS``): by default the input buffer itself."""
+        return bucket.compressed
 
     def _schedule_step(self, t: int) -> None:
         """Called at the start of step ``t``, before its plan is read: a schedule decided from the
@@ -272,9 +303,13 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                 params = [p for _, p in named]
             check_params(params, type(self).__name__)
             param_group = {**param_group, "params": params}
+        if self._overlap is not None:
+            self._overlap.drain()
         super().add_param_group(param_group)
         if self._backend is not None:
             self._build_group_buckets(len(self.param_groups) - 1)
+        if self._overlap is not None:
+            self._overlap.attach(self._buckets)
 
     def _build_group_buckets(self, index: int) -> None:
         group = self.param_groups[index]
@@ -375,6 +410,17 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
     def _synchronize(self) -> None:
         """Align the replicas where the algorithm lets them differ (nothing to do by default)."""
 
+    def no_sync(self) -> AbstractContextManager[None]:
+        """A context manager for the backward passes of gradient accumulation's micro-batches but
+        the last, as DDP's: with ``overlap_backward=True`` nothing starts during them (the last
+        backward, outside, starts each bucket's communication with the summed gradients). Without
+        overlap it does nothing. The adapters enter it from the framework's accumulation boundary."""
+        return self._overlap.no_sync() if self._overlap is not None else nullcontext()
+
+    @property
+    def overlap_backward(self) -> bool:
+        return self._overlap is not None
+
     @property
     def backend(self) -> CommBackend:
         """The transport in use."""
@@ -455,7 +501,11 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._trainable() != self._trainable_at_build:
+            if self._overlap is not None:
+                self._overlap.drain()
             self._rebuild_buckets()
+            if self._overlap is not None:
+                self._overlap.attach(self._buckets)
         for bucket in self._buckets:
             bucket.refresh()
         check_grads(self._buckets, type(self).__name__)
@@ -480,43 +530,108 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         self._backend.end_step(applied, time.perf_counter() - start)
         return loss
 
-    def _run(self, plan: StepPlan, t: int) -> bool:
-        """Run step ``t`` over all buckets; return False when it was skipped for non-finite grads."""
-        compressed = [b for b in self._buckets if plan.compress and b.compression is not None]
+    def _classify(self, plan: StepPlan, buckets: list[Bucket] | None = None) -> tuple[list[Bucket], ...]:
+        """``(compressed, averaged, reduced)``: the buckets (of ``buckets``, default all) whose
+        buffer goes through the compressed all-reduce in step of ``plan``, those updated from
+        their averaged gradients, and of those the ones this optimizer all-reduces."""
+        buckets = self._buckets if buckets is None else buckets
+        compressed = [b for b in buckets if plan.compress and b.compression is not None]
         # Buckets that are not compressed all-reduce their gradients in full precision on every
         # step that communicates (a compress=False group; on every step at all with
         # _AVERAGE_UNCOMPRESSED_ALWAYS), unless the caller averaged them.
         communicates = plan.average_gradients or plan.compress
-        averaged = [b for b in self._buckets if b not in compressed
+        averaged = [b for b in buckets if b not in compressed
                     and (communicates or (self._AVERAGE_UNCOMPRESSED_ALWAYS and b.compression is None))]
         reduced = [] if self._gradients_averaged and plan.average_gradients else averaged
-        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        with self._timed("gather_grads"):
-            grads = [grads_of(b, b in averaged, inv_scale) for b in self._buckets]
-        verdict, absent = self._agree(plan, t, grads, compressed, averaged, reduced)
-        if verdict is not None:
-            return verdict
+        return compressed, averaged, reduced
+
+    def _starts_early(self, plan: StepPlan) -> bool:
+        """Whether ``overlap_backward`` starts work for step of ``plan`` during backward."""
+        if plan.compress and plan.name not in self._STAGED_PLANS:
+            return False
+        compressed, _, reduced = self._classify(plan)
+        return bool(compressed or reduced)
+
+    def _prepare_compression(self, compressed: list[Bucket], t: int) -> None:
+        """The keep masks of the compressed buckets, at the first compressed step (or the first
+        after a load): they read the state only."""
         if compressed and not all(b.derived.frozen_mask_ready for b in compressed):
             kept = [build_keep_mask(b, self._dead(b)) for b in compressed]
             self._on_compression(compressed, [keep for keep, _ in kept], t, sum(dead for _, dead in kept))
+
+    def _stage(self, bucket: Bucket, grads: list[torch.Tensor | None], t: int) -> None:
+        """Compress ``bucket``'s input for step ``t`` without changing the state, and start its
+        worker stage (``overlap_backward``; the caller kept the worker error)."""
+        self._staging = True
+        try:
+            with self._timed("compress_input"):
+                bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], t)
+        finally:
+            self._staging = False
+        start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket))
+        bucket.compressed = self._decode_target(bucket)
+
+    def _overlapped(self, plan: StepPlan, t: int) -> Round | None:
+        """With ``overlap_backward``: the round of step ``t`` with every bucket started, once all
+        ranks agreed that no gradient changed since its bucket started; else None (the step then
+        runs as without overlap, nothing in flight)."""
+        overlap = self._overlap
+        if overlap is None:
+            return None
+        if not self._starts_early(plan):
+            overlap.drain()
+            return None
+        if getattr(self, "grad_scale", None) is not None:
+            overlap.drain()
+            raise ValueError(
+                f"{type(self).__name__}(overlap_backward=True) cannot be used with torch.amp.GradScaler: the "
+                "gradients are sent during backward, before the scaler's scale is known. Pass "
+                "overlap_backward=False, or train in bfloat16 (autocast without a scaler)")
+        r = overlap.start_rest(plan, t)
+        flag = torch.tensor([float(overlap.changed(r))], device=self._device())
+        self._backend.all_reduce_mean_(flag)
+        if flag.item() > 0:
+            overlap.drain()
+            overlap.tell_changed()
+            return None
+        overlap.round = None
+        return r
+
+    def _run(self, plan: StepPlan, t: int) -> bool:
+        """Run step ``t`` over all buckets; return False when it was skipped for non-finite grads."""
+        compressed, averaged, reduced = self._classify(plan)
+        r = self._overlapped(plan, t)
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        at = self._overlap.position if r is not None else {}
+        with self._timed("gather_grads"):
+            grads = [r.grads[at[id(b)]] if r is not None and at[id(b)] in r.grads else grads_of(b, b in averaged, inv_scale)
+                     for b in self._buckets]
+        verdict, absent = self._agree(plan, t, grads, compressed, averaged, reduced, r)
+        if verdict is not None:
+            return verdict
+        self._prepare_compression(compressed, t)
         # Parameters without a gradient on any rank are left as they are, with their state (as in
         # torch.optim): their values are put back after the bucket's update (see _present).
         held = []
         for bucket, indices in zip(self._buckets, absent):
             if indices:
+                if r is not None:
+                    self._overlap.restore_errors(r, bucket, indices)
                 self._before_update(bucket, t)
                 held.append(bucket.hold(indices, self._SHARED_SCALARS))
-        self._update(t, grads, compressed, averaged)
+        self._update(t, grads, compressed, averaged, set() if r is None else {id(self._overlap.order[i]) for i in r.backups})
         for kept_still in held:
             kept_still.restore_()
         self._step = t
         return True
 
     def _agree(self, plan: StepPlan, t: int, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
-               averaged: list[Bucket], reduced: list[Bucket]) -> tuple[bool | None, list[list[int]]]:
+               averaged: list[Bucket], reduced: list[Bucket], r: Round | None = None) -> tuple[bool | None, list[list[int]]]:
         """Before anything changes, let the ranks agree whether every gradient is finite and which
-        parameters have a gradient on no rank, and all-reduce the ``reduced`` buckets' gradients.
+        parameters have a gradient on no rank, and all-reduce the ``reduced`` buckets' gradients
+        (with a round of ``overlap_backward``, ``r``: wait for the all-reduces it started; a skipped
+        step puts back the worker errors of its staged buckets).
 
         Returns ``(verdict, absent)``: ``verdict`` None to go on, else what :meth:`_run` returns
         without updating; ``absent``, per bucket, the indices of its parameters to leave alone."""
@@ -561,9 +676,17 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                 agreed = (anywhere > 0).tolist()
                 for b in flagged:
                     present[id(b)], agreed = agreed[:len(b.params)], agreed[len(b.params):]
-        local = self._before_double_check(reduced)
+        at = self._overlap.position if r is not None else {}
+        if r is None:
+            local = self._before_double_check(reduced)
+        else:
+            local = [r.local[at[id(b)]] for b in reduced] if r.check_double else None
+            self._double_checks += int(r.check_double)
         for bucket in reduced:
-            self._backend.all_reduce_mean_(bucket.wire())
+            if r is None:
+                self._backend.all_reduce_mean_(bucket.wire())
+            else:
+                r.pending[at[id(bucket)]].wait()
             present[id(bucket)] = (bucket.presence() > 0).tolist()
         if local is not None:
             self._double_check(local, reduced, t)
@@ -577,6 +700,9 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                 self._skipped_alone(bucket, self.param_groups[bucket.group_index], t)
             self._step = t
             return True, absent
+        if bad_ranks and r is not None:
+            for position in r.backups:
+                self._overlap.finish_worker(r, position, restore=True)
         if bad_ranks:
             where = (f"on {bad_ranks} of {self._backend.world_size} ranks" if counted
                      else "in the averaged gradients" if communicates else "in the gradients")
@@ -613,13 +739,13 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
             self._backend.rank)
 
     def _update(self, t: int, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
-                averaged: list[Bucket]) -> None:
+                averaged: list[Bucket], staged: set[int] = frozenset()) -> None:
         """Update every bucket. Compressed buckets are pipelined: each bucket's all-to-all and
         all-gather are in flight while the other buckets are compressed, recompressed and updated
         (same results as one bucket after the other; every rank starts the collectives in the same
-        order)."""
+        order). The buckets in ``staged`` (ids) started their worker stage during backward."""
         for bucket, bucket_grads in zip(self._buckets, grads):
-            if bucket in compressed:
+            if bucket in compressed and id(bucket) not in staged:
                 group = self.param_groups[bucket.group_index]
                 with self._timed("compress_input"):
                     bucket.compressed = self._compress_input(bucket, bucket_grads, group, t)
@@ -631,7 +757,8 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                         self._update_averaged(bucket, self.param_groups[bucket.group_index], t)
                     else:
                         self._update_local(bucket, bucket_grads, self.param_groups[bucket.group_index], t)
-        for bucket in compressed:
+        # (in the order the worker stages started: overlap_backward started them in reverse)
+        for bucket in [b for b in self._overlap.order if b in compressed] if staged else compressed:
             start_server_(bucket.compression, self._backend, self._kernels_for(bucket))
         # Every HEALTH_CHECK_INTERVAL-th compressed step measures the compression errors against
         # what was compressed, before the update may reuse the buffer.

@@ -32,6 +32,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     ``m / (sqrt(v) + eps)`` would be ``+-scale / eps``: 1 bit cannot encode 0)."""
 
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (WARMUP.name, COMPRESSION.name)
+    _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset({COMPRESSION.name})
     _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
 
@@ -94,12 +95,24 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
         """The momentum, updated with the local gradients (the variance stays frozen); with
         ``compression_space="preconditioned"``, divided by the frozen denominator (0 where the
-        momentum is kept 0), in a buffer of its own."""
-        F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
+        momentum is kept 0), in a buffer of its own. Staged (``overlap_backward``): the new
+        momentum is a copy, ``exp_avg`` stays as it is until the average is decoded into it."""
+        momentum = bucket.buffers["exp_avg"]
+        if self._staging:
+            momentum = bucket.scratch("staged")
+            momentum.copy_(bucket.buffers["exp_avg"])
+        F.momentum_(bucket.views["exp_avg"] if momentum is bucket.buffers["exp_avg"] else bucket.view(momentum), grads,
+                    group["betas"][0])
         if self.compression_space == "momentum":
-            return bucket.buffers["exp_avg"]
+            return momentum
         inverse, _ = self._preconditioner(bucket, group)
-        return torch.mul(bucket.buffers["exp_avg"], inverse, out=bucket.scratch("preconditioned"))
+        if self._staging:
+            return momentum.mul_(inverse)
+        return torch.mul(momentum, inverse, out=bucket.scratch("preconditioned"))
+
+    def _decode_target(self, bucket: Bucket) -> torch.Tensor:
+        # In the momentum space the average is the new momentum itself.
+        return bucket.buffers["exp_avg"] if self.compression_space == "momentum" else bucket.compressed
 
     def _averaged_momentum(self, bucket: Bucket, group: dict[str, Any]) -> None:
         """After the compressed all-reduce: the momentum from its average (in the preconditioned

@@ -163,6 +163,12 @@ class InstrumentedBackend(CommBackend):
         handle = self.inner.start_all_gather(output, input)
         return _Timed(self, handle, self._all_gather_bytes(input), time.perf_counter() - start)
 
+    def start_all_reduce_mean_(self, tensor: torch.Tensor) -> Pending:
+        start = time.perf_counter()
+        handle = self.inner.start_all_reduce_mean_(tensor)
+        nbytes = allreduce_wire_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        return _Timed(self, handle, nbytes, time.perf_counter() - start)
+
     def barrier(self) -> None:
         self.inner.barrier()
 

@@ -140,6 +140,8 @@ class ZeroOneAdam(OnebitOptimizer):
     """
 
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (VARIANCE.name, COMPRESSED_GRADIENT.name, LOCAL.name, SYNC.name)
+    # (a sync's input comes from a local step, which changes the state: it starts in step())
+    _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset({COMPRESSED_GRADIENT.name})
     _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_point")
     _LAZY: ClassVar[tuple[str, ...]] = ("momentum_accumulator", "sync_point")
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)

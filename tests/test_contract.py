@@ -32,7 +32,8 @@ class Case:
     def __repr__(self) -> str:
         space = self.extra.get("compression_space")
         auto = "-auto" if self.schedule.get("freeze_step") == "auto" else ""
-        return self.cls.__name__ + (f"-{space}" if space else "") + auto
+        overlap = "-overlap" if self.extra.get("overlap_backward") else ""
+        return self.cls.__name__ + (f"-{space}" if space else "") + auto + overlap
 
     def make(self, params, lr: float = 1e-2, **kwargs):
         return self.cls(params, lr=lr, comm_backend_name="local", **{**self.schedule, **self.extra, **kwargs})
@@ -51,6 +52,11 @@ OPTIMIZERS = [
          dict(weight_decay=0.01)),
     Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
          dict(weight_decay=0.01, compression_space="preconditioned")),
+    # overlap_backward: the communication starts from gradient hooks during backward
+    Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01, overlap_backward=True)),
+    Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01, overlap_backward=True)),
+    Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
+         dict(weight_decay=0.01, overlap_backward=True)),
 ]
 STEPS = 12
 
@@ -375,10 +381,25 @@ def test_a_nonfinite_gradient_skips_the_step_on_every_plan(case):
 
 def test_grad_scaler_skips_overflows_and_unscales_exactly(case):
     """``torch.amp.GradScaler``: a step with an inf is skipped (and the scale backs off); scaled
-    gradients (powers of 2) are unscaled exactly: the run equals the unscaled one bit for bit."""
+    gradients (powers of 2) are unscaled exactly: the run equals the unscaled one bit for bit.
+    With ``overlap_backward`` (gradients sent before the scale is known): refused at the first
+    step that sends, with the fix, the parameters and state untouched."""
     model, plain = _model(), _model()
     opt, plain_opt = case.make(model.parameters()), case.make(plain.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    if case.extra.get("overlap_backward"):
+        before, state = clone_params(model.parameters()), copy.deepcopy(opt.state_dict())
+        for _ in range(2):  # step 1 checks the layout, step 2 starts during backward
+            gen = torch.Generator().manual_seed(1)
+            x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            with pytest.raises(ValueError, match="GradScaler.*overlap_backward=False"):
+                scaler.step(opt)
+            scaler.update()
+        assert all_equal(before, model.parameters()) and opt.step_count == 0
+        assert str(opt.state_dict()) == str(state)
+        return
     for t in range(1, STEPS + 1):
         gen = torch.Generator().manual_seed(t)
         x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)

@@ -75,6 +75,12 @@ class CommBackend(abc.ABC):
         self.all_gather(output, input)
         return COMPLETED
 
+    def start_all_reduce_mean_(self, tensor: torch.Tensor) -> Pending:
+        """Begin :meth:`all_reduce_mean_`; ``tensor`` holds the mean after the handle's ``wait()``
+        (the same values as :meth:`all_reduce_mean_`), as :meth:`start_all_to_all`."""
+        self.all_reduce_mean_(tensor)
+        return COMPLETED
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Block until every rank has reached the barrier."""

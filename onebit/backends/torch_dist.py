@@ -6,6 +6,8 @@ One code path for every process-group backend: only ``all_reduce``, ``all_to_all
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -76,6 +78,10 @@ class TorchDistBackend(CommBackend):
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         return dist.all_to_all_single(output, input, group=self._group, async_op=True)
 
+    def start_all_reduce_mean_(self, tensor: torch.Tensor) -> Pending:
+        return _Mean(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True), tensor,
+                     self._world_size)
+
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         return _all_gather_single(self._concatenated(output), input, group=self._group, async_op=True)
 
@@ -86,3 +92,18 @@ class TorchDistBackend(CommBackend):
 
     def barrier(self) -> None:
         dist.barrier(group=self._group)
+
+
+class _Mean:
+    """An all-reduce sum in flight; ``wait()`` divides by the world size once it is complete, as
+    :meth:`TorchDistBackend.all_reduce_mean_` does."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor, world_size: int) -> None:
+        self._work: Any = work
+        self._tensor, self._world_size = tensor, world_size
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._tensor.div_(self._world_size)
