@@ -12,6 +12,8 @@ order rotated by ``r``), so that a change of load on the machine hits every conf
 * ``onebit_ddp_compression`` (optional): DDP + ``attach_ddp`` + OnebitAdam in compression;
 * ``onebit_ddp_nosync_compression`` (optional): the same, with backward run under
   ``ddp.no_sync()`` in the compression phase (DDP then neither copies nor hooks the gradients);
+* ``onebit_warmup_overlap``, ``onebit_compression_overlap`` (optional): the same two with
+  ``overlap_backward=True`` (communication started from gradient hooks during backward);
 * ``onebit_ddp_view_compression`` (optional): DDP with ``gradient_as_bucket_view=True`` +
   ``attach_ddp`` (the gradients live in DDP's buckets, so there is nothing to copy back);
 * ``zoadam_phase1``, ``zoadam_compressed_gradient``, ``zoadam_phase2``: ``ZeroOneAdam`` (0/1 Adam),
@@ -70,7 +72,8 @@ ZOADAM_PARTS = {
 }
 ZOADAM_CONFIGS = tuple(ZOADAM_PARTS)
 DEFAULT_CONFIGS += ZOADAM_CONFIGS
-ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS
+OVERLAP_CONFIGS = ("onebit_warmup_overlap", "onebit_compression_overlap")
+ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS + OVERLAP_CONFIGS
 COUNTER_FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
 
 
@@ -139,6 +142,7 @@ class Config:
         self.name = name
         self.model = make_model(args.params, args.width, seed)
         self.onebit = name.startswith(("onebit", "zoadam"))
+        buckets = {} if args.bucket_size is None else {"bucket_size": args.bucket_size}
         self.forward = self.model
         # (record name, kind, kind before) of each step timed per round; kinds None: any step
         self.parts = ZOADAM_PARTS.get(name, ((name, None, None),))
@@ -151,12 +155,13 @@ class Config:
                                                start_powerSGD_iter=2, random_seed=0)
                 self.forward.register_comm_hook(state, serialized_powersgd_hook)
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
-        elif name == "onebit_warmup":
-            self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=10**9, comm_backend_name="gloo")
-        elif name in ("onebit_compression", *ONEBIT_DDP_CONFIGS):
+        elif name in ("onebit_warmup", "onebit_warmup_overlap"):
+            self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=10**9, comm_backend_name="gloo",
+                                        overlap_backward=name.endswith("_overlap"), **buckets)
+        elif name in ("onebit_compression", "onebit_compression_overlap", *ONEBIT_DDP_CONFIGS):
             self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=2, comm_backend_name="gloo",
-                                        kernels=args.kernels)
-            if name != "onebit_compression":
+                                        kernels=args.kernels, overlap_backward=name.endswith("_overlap"), **buckets)
+            if name in ONEBIT_DDP_CONFIGS:
                 self.forward = DDP(self.model, gradient_as_bucket_view=name == "onebit_ddp_view_compression")
                 attach_ddp(self.forward, self.optimizer)
                 self.no_sync = name == "onebit_ddp_nosync_compression"
@@ -318,6 +323,7 @@ def main() -> None:
                         help="scaling: world sizes (subgroups of the launched ranks)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--bucket-size", type=int, default=None)
     parser.add_argument("--timeout-s", type=float, default=600)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

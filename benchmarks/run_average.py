@@ -36,6 +36,8 @@ ZOADAM_KEYS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "loc
 OPTIMIZERS = {
     "adam": ("DDP + Adam", {"step": "adam"}),
     "onebit": ("OnebitAdam (1-bit Adam)", {"warmup": "onebit_warmup", "compression": "onebit_compression"}),
+    "onebit_overlap": ("OnebitAdam, overlap_backward", {"warmup": "onebit_warmup_overlap",
+                                                        "compression": "onebit_compression_overlap"}),
     "zoadam": ("ZeroOneAdam (0/1 Adam)", {
         "variance": "zoadam_variance",
         "compressed_gradient_after_variance": "zoadam_compressed_gradient_after_variance",
@@ -89,6 +91,7 @@ def schedule_counts(schedule: dict[str, int]) -> dict:
     return {
         "adam": {"step": steps},
         "onebit": {kind: ob.get(kind, 0) for kind in OPTIMIZERS["onebit"][1]},
+        "onebit_overlap": {kind: ob.get(kind, 0) for kind in OPTIMIZERS["onebit"][1]},
         "zoadam": {kind: zo.get(kind, 0) for kind in OPTIMIZERS["zoadam"][1]},
         "zoadam_sync_after_variance": sync_after_variance,
     }

@@ -55,6 +55,8 @@ LABELS = {
     "powersgd4": "DDP + PowerSGD r4 + Adam",
     "onebit_warmup": "OnebitAdam warmup",
     "onebit_compression": "OnebitAdam compression",
+    "onebit_warmup_overlap": "OnebitAdam warmup, overlap_backward",
+    "onebit_compression_overlap": "OnebitAdam compression, overlap_backward",
     "onebit_ddp_compression": "DDP + attach_ddp + OnebitAdam compression",
     "onebit_ddp_nosync_compression": "DDP (no_sync) + attach_ddp + OnebitAdam compression",
     "onebit_ddp_view_compression": "DDP (gradient_as_bucket_view) + attach_ddp + OnebitAdam compression",
@@ -456,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = [name for name in LABELS if not name.startswith("zoadam")] + list(ZOADAM_PARTS)
     parser.add_argument("--configs", default=None, help="comma-separated, from: " + ", ".join(configs)
                         + "; 'zoadam' stands for " + ",".join(ZOADAM_PARTS))
+    parser.add_argument("--bucket-size", type=int, default=None,
+                        help="elements per bucket of the onebit configurations (default: the optimizers' own)")
     parser.add_argument("--mtu", type=int, default=1500)
     parser.add_argument("--loopback", action="store_true", help="time the peers on loopback, no namespaces")
     parser.add_argument("--no-scaling", action="store_true")
@@ -488,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                  "--cost-rounds", "1" if quick else "5"]
     if args.configs:
         peer_args += ["--configs", args.configs]
+    if args.bucket_size:
+        peer_args += ["--bucket-size", str(args.bucket_size)]
     stem = args.name or ("quick" if quick else "peers")
     args.out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,8 @@ class Overlap:
         self.order: list[Bucket] = []
         self.round: Round | None = None
         self.paused = 0
+        # A framework's accumulation boundary (the DeepSpeed engine's): backward starts work only when it says so.
+        self.boundary: Callable[[], bool] | None = None
         self._handles: list[Any] = []
         self._where: dict[int, int] = {}
         self.position: dict[int, int] = {}
@@ -120,7 +122,7 @@ class Overlap:
 
     def _hook(self, param: torch.Tensor) -> None:
         opt = self.optimizer
-        if self.paused or not opt._layout_checked:
+        if self.paused or not opt._layout_checked or (self.boundary is not None and not self.boundary()):
             return
         r = self.round
         if r is None:

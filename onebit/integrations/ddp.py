@@ -13,6 +13,8 @@ onebit optimizer.
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at run time.
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,7 +67,9 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
     ``ddp_model.require_backward_grad_sync`` (the flag ``ddp_model.no_sync()`` sets) to whether the
     next step averages gradients: DDP skips its gradient buckets otherwise, as under
     ``no_sync()``. A ``no_sync()`` block of your own (gradient accumulation) still works: it
-    restores the flag when it exits.
+    restores the flag when it exits. With ``overlap_backward=True`` the optimizer starts the
+    compressed steps' communication during backward, and ``ddp_model.no_sync()`` enters
+    ``optimizer.no_sync()`` too, so that accumulation's micro-batches start nothing.
 
     The DDP model and the optimizer must use the same ranks: the process group of ``ddp_model``
     and the optimizer's backend must have the same world size.
@@ -83,6 +87,22 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
         )
     ddp_model.register_comm_hook(state, onebit_ddp_hook)
     follow_plan(optimizer, lambda average: setattr(ddp_model, "require_backward_grad_sync", average))
+    if optimizer.overlap_backward:
+        _sync_with(ddp_model, optimizer)
+
+
+def _sync_with(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: OnebitOptimizer) -> None:
+    """``ddp_model.no_sync()`` enters ``optimizer.no_sync()`` too: the micro-batches a framework
+    runs under DDP's ``no_sync()`` (Lightning, Accelerate and the HF Trainer do, before the last of
+    an accumulation) start nothing during their backward (``overlap_backward``)."""
+    ddp_no_sync = ddp_model.no_sync
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        with ddp_no_sync(), optimizer.no_sync():
+            yield
+
+    ddp_model.no_sync = no_sync
 
 
 def follow_plan(optimizer: OnebitOptimizer, apply: Any) -> None:

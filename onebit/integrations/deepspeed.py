@@ -94,7 +94,9 @@ def attach_deepspeed(engine: Any) -> None:
     ``engine.load_checkpoint``) it sets ``engine.enable_backward_allreduce`` to
     ``optimizer.next_plan.average_gradients``. Gradient accumulation (``gradient_accumulation_steps``,
     also with ``managed_gradient_accumulation: false``) works as it does without onebit: the engine
-    reduces only at the accumulation boundary, and the optimizer steps there.
+    reduces only at the accumulation boundary, and the optimizer steps there. With
+    ``overlap_backward=True``, only the backward of the boundary's micro-batch starts the
+    optimizer's communication (``engine.is_gradient_accumulation_boundary()``).
 
     Mixed precision: ``"torch_autocast"`` in the config (float32 parameters; with float16 the
     engine's ``GradScaler``, whose overflow skips every rank's step together). The ``"fp16"`` and
@@ -114,6 +116,8 @@ def attach_deepspeed(engine: Any) -> None:
     """
     optimizer = _check_engine(engine)
     follow_plan(optimizer, lambda average: setattr(engine, "enable_backward_allreduce", average))
+    if optimizer.overlap_backward:  # accumulation's micro-batches before the boundary start nothing
+        optimizer._overlap.boundary = engine.is_gradient_accumulation_boundary
     if optimizer.backend.rank != 0:
         return
     clip = float(engine.gradient_clipping())
