@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 README_MAX_BYTES = 20_000
 # At most this share of all python blocks may be marked norun.
-MAX_NORUN_SHARE = 0.5
+MAX_NORUN_SHARE = 0.35
 PAGE_TIMEOUT_S = 120
 
 _FENCE = re.compile(r"^```(\S*)(.*)$")
