@@ -114,6 +114,15 @@ def test_readme_is_short():
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes (at most {README_MAX_BYTES}): move detail to docs/"
 
 
+def test_readme_links_point_at_files():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [t.split("#")[0] for t in targets if not re.match(r"[a-z]+://", t) and not t.startswith("#")]
+    assert local, "the README links to no page of the docs"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_site_builds_without_warnings(tmp_path):
