@@ -13,7 +13,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ONEBIT_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
-EXTRAS="${ONEBIT_EXTRAS:-test,mpich,examples,lightning,deepspeed}"
+EXTRAS="${ONEBIT_EXTRAS:-test,mpich,examples,lightning,deepspeed,docs}"
 
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
