@@ -66,11 +66,41 @@ class CompressionState:
         self.gather_out = torch.zeros(n, row, dtype=torch.uint8, device=device)
         self.pending: Pending = COMPLETED  # the collective of the stage in progress
         self.stage = 0  # the last stage started: 0 none (or finished), 1 worker, 2 server
+        # Staged stages (overlap_backward) write their new errors here, leaving the errors as they
+        # are until commit_() (allocated at the first staged stage).
+        self.next_worker_error: torch.Tensor | None = None
+        self.next_server_error: torch.Tensor | None = None
+        self.staged: set[str] = set()
 
     def reset_errors_(self) -> None:
         """Zero both error-feedback buffers (after a checkpoint load or a change of layout)."""
         self.worker_error.zero_()
         self.server_error.zero_()
+
+    def staged_error(self, which: str) -> torch.Tensor:
+        """The buffer a staged ``'worker'`` or ``'server'`` stage writes its new error to."""
+        name = f"next_{which}_error"
+        if getattr(self, name) is None:
+            setattr(self, name, torch.empty_like(getattr(self, f"{which}_error")))
+        self.staged.add(which)
+        return getattr(self, name)
+
+    def commit_(self) -> None:
+        """Adopt the errors of the staged stages (swapping buffers: the previous errors stay in
+        ``next_*_error`` until the next staged stage)."""
+        for which in self.staged:
+            current, name = f"{which}_error", f"next_{which}_error"
+            new, old = getattr(self, name), getattr(self, current)
+            setattr(self, current, new)
+            setattr(self, name, old)
+        self.staged = set()
+
+    def discard_(self) -> None:
+        """Wait for the collective in flight and drop what the staged stages computed: the errors
+        stay as they were."""
+        self.pending.wait()
+        self.pending, self.stage = COMPLETED, 0
+        self.staged = set()
 
 
 def compressed_allreduce_(
@@ -91,11 +121,16 @@ def compressed_allreduce_(
     return finish_(buffer, state, kernels)
 
 
-def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBackend, kernels: KernelSet) -> None:
+def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBackend, kernels: KernelSet,
+                  staged: bool = False) -> None:
     """Stage 1: compress ``buffer`` with the worker error and start the all-to-all of its signs.
-    (A two-level state, :class:`onebit.hierarchy.TwoLevelState`, runs its own stages on its own
-    groups, as do the two functions below.)"""
+    ``staged``: the new worker error goes to a buffer of its own, adopted by
+    :meth:`CompressionState.commit_` (or dropped by ``discard_``). (A two-level state,
+    :class:`onebit.hierarchy.TwoLevelState`, runs its own stages on its own groups, as do the
+    two functions below; not staged.)"""
     if not isinstance(state, CompressionState):
+        if staged:
+            raise ValueError("a two-level compressed all-reduce cannot be staged")
         return state.start_worker_(buffer, kernels)
     n = backend.world_size
     if n != state.world_size:
@@ -106,23 +141,25 @@ def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBa
             f"{buffer.dtype} of shape {tuple(buffer.shape)}"
         )
     signs = chunk_bytes(state.padded, n)
-    worker_scales = kernels.worker_compress_(buffer, state.worker_error, state.send[:, :signs], bounds=state.bounds)
+    error, out = _errors(kernels, state, "worker", staged)
+    worker_scales = kernels.worker_compress_(buffer, error, state.send[:, :signs], bounds=state.bounds, **out)
     write_scale_(state.send, worker_scales)
     state.pending = backend.start_all_to_all(state.recv, state.send)
     state.stage = 1
 
 
-def start_server_(state: CompressionState, backend: CommBackend, kernels: KernelSet) -> None:
+def start_server_(state: CompressionState, backend: CommBackend, kernels: KernelSet, staged: bool = False) -> None:
     """Stage 2: once this rank's chunk has arrived, average and recompress it with the server
-    error, and start the all-gather of the result."""
+    error, and start the all-gather of the result (``staged``: as in :func:`start_worker_`)."""
     _expect_stage(state, 1, "start_server_", "start_worker_")
     if not isinstance(state, CompressionState):
         return state.start_server_(kernels)
     state.pending.wait()
     signs = chunk_bytes(state.padded, state.world_size)
+    error, out = _errors(kernels, state, "server", staged)
     server_scales = kernels.server_compress_(
-        state.recv[:, :signs], read_scales(state.recv, state.segments), state.server_error, state.gather_in[:signs],
-        bounds=state.bounds,
+        state.recv[:, :signs], read_scales(state.recv, state.segments), error, state.gather_in[:signs],
+        bounds=state.bounds, **out,
     )
     write_scale_(state.gather_in.view(1, -1), server_scales)
     state.pending = backend.start_all_gather(state.gather_out, state.gather_in)
@@ -142,6 +179,18 @@ def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet,
     kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out, state.segments), buffer, keep,
                     bounds=state.bounds)
     return buffer
+
+
+def _errors(kernels: KernelSet, state: CompressionState, which: str, staged: bool) -> tuple[torch.Tensor, dict]:
+    """The error a stage reads and the keyword that sends the new one elsewhere when staged."""
+    error = getattr(state, f"{which}_error")
+    if not staged:
+        return error, {}
+    target = state.staged_error(which)
+    if kernels.separate_errors:
+        return error, {"error_out": target}
+    target.copy_(error)  # a kernel that updates in place: on a copy
+    return target, {}
 
 
 def _expect_stage(state: CompressionState, stage: int, name: str, previous: str) -> None:

@@ -568,7 +568,7 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                 bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], t)
         finally:
             self._staging = False
-        start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket))
+        start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket), staged=True)
         bucket.compressed = self._decode_target(bucket)
 
     def _overlapped(self, plan: StepPlan, t: int) -> Round | None:
@@ -588,28 +588,38 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                 "gradients are sent during backward, before the scaler's scale is known. Pass "
                 "overlap_backward=False, or train in bfloat16 (autocast without a scaler)")
         r = overlap.start_rest(plan, t)
-        flag = torch.tensor([float(overlap.changed(r))], device=self._device())
+        overlap.round = None
+        r.changed = overlap.changed(r)
+        if self._classify(plan)[0]:
+            return r  # the finiteness flag of the compressed step carries it (_agree)
+        flag = torch.tensor([float(r.changed)], device=self._device())
         self._backend.all_reduce_mean_(flag)
         if flag.item() > 0:
-            overlap.drain()
+            overlap.discard(r)
             overlap.tell_changed()
             return None
-        overlap.round = None
         return r
 
-    def _run(self, plan: StepPlan, t: int) -> bool:
+    def _run(self, plan: StepPlan, t: int, overlap: bool = True) -> bool:
         """Run step ``t`` over all buckets; return False when it was skipped for non-finite grads."""
         compressed, averaged, reduced = self._classify(plan)
-        r = self._overlapped(plan, t)
+        r = self._overlapped(plan, t) if overlap else None
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         at = self._overlap.position if r is not None else {}
         with self._timed("gather_grads"):
             grads = [r.grads[at[id(b)]] if r is not None and at[id(b)] in r.grads else grads_of(b, b in averaged, inv_scale)
                      for b in self._buckets]
-        verdict, absent = self._agree(plan, t, grads, compressed, averaged, reduced, r)
+        try:
+            verdict, absent = self._agree(plan, t, grads, compressed, averaged, reduced, r)
+        except _Redo:  # some rank's gradients changed after backward started their buckets
+            self._overlap.discard(r)
+            self._overlap.tell_changed()
+            return self._run(plan, t, overlap=False)
         if verdict is not None:
             return verdict
+        if r is not None:
+            self._overlap.commit(r)
         self._prepare_compression(compressed, t)
         # Parameters without a gradient on any rank are left as they are, with their state (as in
         # torch.optim): their values are put back after the bucket's update (see _present).
@@ -620,7 +630,7 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                     self._overlap.restore_errors(r, bucket, indices)
                 self._before_update(bucket, t)
                 held.append(bucket.hold(indices, self._SHARED_SCALARS))
-        self._update(t, grads, compressed, averaged, set() if r is None else {id(self._overlap.order[i]) for i in r.backups})
+        self._update(t, grads, compressed, averaged, set() if r is None else {id(self._overlap.order[i]) for i in r.staged})
         for kept_still in held:
             kept_still.restore_()
         self._step = t
@@ -661,16 +671,20 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
             # all-reduce: a step where every rank has every gradient sends 4 bytes more, no more.
             flagged = [b for b in self._buckets if b not in reduced] if communicates else []
             here = [float(has) for b in flagged for has in present[id(b)]]
+            # (with overlap_backward, last: whether this rank's gradients changed since backward used them)
+            changed = [] if r is None or r.changed is None else [float(r.changed)]
             flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio,
                                  *([] if moved is None else [moved[0]]),
-                                 *([float(len(here) - sum(here))] if flagged else [])], device=self._device())
+                                 *([float(len(here) - sum(here))] if flagged else []), *changed], device=self._device())
             self._backend.all_reduce_mean_(flag)
+            if changed and flag[-1].item() > 0:
+                raise _Redo
             bad_ranks = round(flag[0].item() * self._backend.world_size)
             if ratio is not None:
                 self._health.judge(float(flag[1].item()), t, self._backend.rank)
             if moved is not None:
                 self._health.judge_updates(float(flag[2].item()), t, self._backend.rank)
-            if flagged and flag[-1].item() > 0:
+            if flagged and flag[-1 - len(changed)].item() > 0:
                 anywhere = torch.tensor(here, device=self._device())
                 self._backend.all_reduce_mean_(anywhere)
                 agreed = (anywhere > 0).tolist()
@@ -701,8 +715,7 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
             self._step = t
             return True, absent
         if bad_ranks and r is not None:
-            for position in r.backups:
-                self._overlap.finish_worker(r, position, restore=True)
+            self._overlap.discard(r)
         if bad_ranks:
             where = (f"on {bad_ranks} of {self._backend.world_size} ranks" if counted
                      else "in the averaged gradients" if communicates else "in the gradients")
@@ -757,9 +770,11 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
                         self._update_averaged(bucket, self.param_groups[bucket.group_index], t)
                     else:
                         self._update_local(bucket, bucket_grads, self.param_groups[bucket.group_index], t)
-        # (in the order the worker stages started: overlap_backward started them in reverse)
+        # (in the order the worker stages started: overlap_backward started them in reverse, and
+        # the server stages of all but the last with them)
         for bucket in [b for b in self._overlap.order if b in compressed] if staged else compressed:
-            start_server_(bucket.compression, self._backend, self._kernels_for(bucket))
+            if bucket.compression.stage == 1:
+                start_server_(bucket.compression, self._backend, self._kernels_for(bucket))
         # Every HEALTH_CHECK_INTERVAL-th compressed step measures the compression errors against
         # what was compressed, before the update may reuse the buffer.
         measure = bool(compressed) and (self._compressed_steps + 1) % HEALTH_CHECK_INTERVAL == 0
@@ -810,3 +825,8 @@ def _error_ratio(bucket: Bucket) -> float | None:
     if node_mean is None:
         return error_ratio(state.worker_error, bucket.compressed, sizes)
     return error_ratio(state.worker_error, node_mean, [size // state.topology.local for size in sizes])
+
+
+class _Redo(Exception):
+    """Raised by ``_agree`` when the ranks agreed that the work ``overlap_backward`` started is
+    stale: the step runs again without it."""

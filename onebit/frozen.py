@@ -100,9 +100,9 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         momentum = bucket.buffers["exp_avg"]
         if self._staging:
             momentum = bucket.scratch("staged")
-            momentum.copy_(bucket.buffers["exp_avg"])
-        F.momentum_(bucket.views["exp_avg"] if momentum is bucket.buffers["exp_avg"] else bucket.view(momentum), grads,
-                    group["betas"][0])
+            F.momentum_into_(bucket.view(momentum), bucket.views["exp_avg"], grads, group["betas"][0])
+        else:
+            F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
         if self.compression_space == "momentum":
             return momentum
         inverse, _ = self._preconditioner(bucket, group)

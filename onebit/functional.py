@@ -43,6 +43,16 @@ def momentum_(exp_avgs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
         torch._foreach_mul_(absent, beta1)
 
 
+def momentum_into_(outs: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   beta1: float) -> None:
+    """:func:`momentum_` written to ``outs`` (the same rounding), the momenta left as they are."""
+    for out, m, g in zip(outs, exp_avgs, grads, strict=True):
+        if g is None:
+            torch.mul(m, beta1, out=out)
+        else:
+            torch.lerp(m, g, 1 - beta1, out=out)
+
+
 def bias_corrections(step: int, variance_step: int, beta1: float, beta2: float, enabled: bool) -> tuple[float, float]:
     """``(1 - beta1**step, 1 - beta2**variance_step)``, or ``(1, 1)`` when disabled.
 

@@ -11,16 +11,21 @@ arrive in. What a bucket starts is what the coming step's plan communicates for 
   gradients are copied into its wire buffer and an asynchronous all-reduce starts;
 - a compressed plan the algorithm can stage (``_STAGED_PLANS``: 1-bit Adam's and 1-bit LAMB's
   compression steps, 0/1 Adam's compressed-gradient steps): the compressed input is built
-  **without writing the optimizer's state** (the new momentum goes to a buffer of its own), the
-  worker error is copied aside, and the worker stage (compression, all-to-all) starts.
+  **without writing the optimizer's state** (the new momentum goes to a buffer of its own) and
+  the worker stage (compression, all-to-all) starts, its new error written to a buffer of its
+  own (:meth:`CompressionState.commit_` adopts it). Starting a compressed bucket first runs the
+  server stage (average, recompression, all-gather) of the compressed bucket started before it,
+  staged the same way: every rank then starts the same collectives in the same order, and only
+  the last bucket's server stage is left to ``step()``.
 
 ``step()`` starts whatever backward did not (a parameter without a gradient, the first step,
-which checks the layout first), then all ranks agree in one 4-byte all-reduce whether any rank's
-gradients changed since their bucket started (gradient clipping, accumulation outside
-:meth:`OnebitOptimizer.no_sync`, ``zero_grad()`` and another backward): if so, every rank waits
-for the work in flight, puts the worker errors back and runs the step as without overlap. Non-finite
-gradients skip the step as without overlap: nothing the staged work touched is kept. So the
-parameters are bit-identical with and without overlap, step for step.
+which checks the layout first), then all ranks agree whether any rank's gradients changed since
+their bucket started (gradient clipping, accumulation outside :meth:`OnebitOptimizer.no_sync`,
+``zero_grad()`` and another backward): one more number in the finiteness flag of a compressed
+step, a 4-byte all-reduce on a full-precision one. If so, every rank waits for the work in flight,
+drops it and runs the step as without overlap. Non-finite gradients skip the step as without
+overlap: the staged errors are dropped, nothing else was written. So the parameters are
+bit-identical with and without overlap, step for step.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .backends.base import COMPLETED, Pending
+from .backends.base import Pending
 from .buckets import Bucket, grads_of
-from .collectives import CompressionState
+from .collectives import start_server_
 from .plan import StepPlan
 from .shards import local
 
@@ -68,11 +73,13 @@ class Round:
         self.seen: set[int] = set()
         self.started = 0  # buckets started, a prefix of the start order
         self.repeated = False  # a gradient arrived twice: a second backward before step()
+        self.changed: bool | None = None  # step(): whether this rank's gradients changed since they were read
         self.grads: dict[int, list[torch.Tensor | None]] = {}
         self.fingerprints: dict[int, list[tuple[int, int]]] = {}
         self.pending: dict[int, Pending] = {}  # full-precision all-reduces
         self.local: dict[int, torch.Tensor] = {}  # the gradients before their average
-        self.backups: dict[int, torch.Tensor] = {}  # worker errors before the staged worker stage
+        self.staged: list[int] = []  # compressed buckets whose worker stage started, in order
+        self.committed: dict[int, set[str]] = {}  # after commit(): which staged errors each adopted
 
 
 class Overlap:
@@ -89,14 +96,13 @@ class Overlap:
         self._where: dict[int, int] = {}
         self.position: dict[int, int] = {}
         self._expected: list[int] = []
-        self._backups: dict[int, torch.Tensor] = {}
         self._told = False
 
     def attach(self, buckets: list[Bucket]) -> None:
         """(Re)register the hooks for ``buckets``, started in reverse order."""
         for handle in self._handles:
             handle.remove()
-        self._handles, self._where, self._backups = [], {}, {}
+        self._handles, self._where = [], {}
         self.order = list(reversed(buckets))
         self.position = {id(b): i for i, b in enumerate(self.order)}
         self._expected = [len(b.owners) for b in self.order]
@@ -166,13 +172,11 @@ class Overlap:
             r.pending[position] = opt._backend.start_all_reduce_mean_(bucket.wire())
         elif compressed:
             grads = grads_of(bucket, False, None)
-            state = bucket.compression
-            backup = self._backups.get(id(bucket))
-            if backup is None:
-                backup = self._backups[id(bucket)] = torch.empty_like(state.worker_error)
-            backup.copy_(state.worker_error)
-            r.backups[position] = backup
+            if r.staged:  # the server stage of the bucket started before (its all-to-all is through by now)
+                start_server_(self.order[r.staged[-1]].compression, opt._backend,
+                              opt._kernels_for(self.order[r.staged[-1]]), staged=True)
             opt._stage(bucket, grads, r.t)
+            r.staged.append(position)
         else:
             return  # nothing to send early: step() reads this bucket's gradients itself
         r.grads[position] = grads
@@ -206,14 +210,19 @@ class Overlap:
                 "change gradients after backward", opt._step + 1)
         self._told = True
 
-    def finish_worker(self, r: Round, position: int, restore: bool) -> None:
-        """Wait for bucket ``position``'s worker stage; with ``restore``, put its worker error back."""
-        bucket = self.order[position]
-        state = bucket.compression
-        state.pending.wait()
-        state.pending, state.stage = COMPLETED, 0
-        if restore:
-            state.worker_error.copy_(r.backups[position])
+    def discard(self, r: Round) -> None:
+        """Wait for the round's collectives and drop what its staged stages computed."""
+        for handle in r.pending.values():
+            handle.wait()
+        for position in r.staged:
+            self.order[position].compression.discard_()
+
+    def commit(self, r: Round) -> None:
+        """The ranks agreed to apply the round: its staged buckets adopt their new errors."""
+        for position in r.staged:
+            state = self.order[position].compression
+            r.committed[position] = set(state.staged)
+            state.commit_()
 
     def drain(self) -> None:
         """Finish the round in flight without applying it (every rank: it starts what it had not,
@@ -223,18 +232,18 @@ class Overlap:
             return
         while r.started < len(self.order):
             self._start(r, r.started)
-        for handle in r.pending.values():
-            handle.wait()
-        for position in r.backups:
-            self.finish_worker(r, position, restore=True)
+        self.discard(r)
 
     def restore_errors(self, r: Round, bucket: Bucket, indices: list[int]) -> None:
-        """Put back the worker errors of the parameters ``indices`` of a staged bucket (they are
-        left alone this step; :meth:`Bucket.hold` then keeps these values)."""
-        backup = r.backups.get(self.position[id(bucket)])
-        if backup is None or not isinstance(bucket.compression, CompressionState):
-            return
+        """After :meth:`commit`: put back the errors of the parameters ``indices`` of a staged
+        bucket (they are left alone this step; :meth:`Bucket.hold` then keeps these values)."""
+        adopted = r.committed.get(self.position[id(bucket)], set())
+        state = bucket.compression
+        n = state.world_size
         for i in indices:
             start = bucket.layout.starts[i]
             end = bucket.layout.starts[i + 1] if i + 1 < len(bucket.params) else bucket.padded
-            bucket.compression.worker_error[start:end].copy_(backup[start:end])
+            if "worker" in adopted:
+                state.worker_error[start:end].copy_(state.next_worker_error[start:end])
+            if "server" in adopted:
+                state.server_error[start // n:end // n].copy_(state.next_server_error[start // n:end // n])

@@ -182,7 +182,8 @@ def timed_kernels(kernels: KernelSet, timed: Callable[[str], AbstractContextMana
                 return fn(*args, **kwargs)
         return run
     return KernelSet(kernels.name, wrap("codec_worker", kernels.worker_compress_),
-                     wrap("codec_server", kernels.server_compress_), wrap("codec_decode", kernels.decode_))
+                     wrap("codec_server", kernels.server_compress_), wrap("codec_decode", kernels.decode_),
+                     kernels.separate_errors)
 
 
 class StepTimers:

@@ -910,3 +910,38 @@ def test_installed_wheel_ships_the_kernel_sources(tmp_path):
                           cwd=run_dir)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) == len(CU_FILE.read_text())
+
+
+@pytest.mark.parametrize("name", ["reference", "cpu"])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_error_out_writes_the_new_error_there_and_leaves_the_error(name, ranks):
+    """The staged stages of ``overlap_backward``: ``error_out=`` gives the in-place results
+    bit for bit, in another buffer, and ``error`` is untouched."""
+    impl = get_kernels(torch.device("cpu"), name)
+    assert impl.separate_errors
+    n = 8 * ranks * 37
+    bounds = torch.tensor([0, 8 * ranks * 5, n], dtype=torch.int64)
+    x, error = _values(n, 11), _values(n, 12) * 0.1
+    in_place, kept, out = error.clone(), error.clone(), torch.full_like(error, 7.0)
+    wire_a, wire_b = _wire(ranks, n // 8 // ranks, 13), _wire(ranks, n // 8 // ranks, 13)
+    cols = n // 8 // ranks
+    scale_a = impl.worker_compress_(x, in_place, wire_a[:, :cols], bounds=bounds)
+    scale_b = impl.worker_compress_(x, kept, wire_b[:, :cols], bounds=bounds, error_out=out)
+    assert_bitwise_equal(scale_b, scale_a, "worker scales")
+    assert_bitwise_equal(wire_b, wire_a, "worker signs")
+    assert_bitwise_equal(out, in_place, "new worker error")
+    assert_bitwise_equal(kept, error, "worker error left as it was")
+
+    chunk = n // ranks
+    recv = _wire(ranks, chunk // 8, 14)
+    scales = torch.rand(ranks * 2, generator=torch.Generator().manual_seed(15))
+    server_error = _values(chunk, 16) * 0.1
+    in_place, kept, out = server_error.clone(), server_error.clone(), torch.full_like(server_error, 7.0)
+    packed_a, packed_b = _wire(1, chunk // 8, 17)[0], _wire(1, chunk // 8, 17)[0]
+    scale_a = impl.server_compress_(recv[:, :chunk // 8], scales, in_place, packed_a[:chunk // 8], bounds=bounds)
+    scale_b = impl.server_compress_(recv[:, :chunk // 8], scales, kept, packed_b[:chunk // 8], bounds=bounds,
+                                    error_out=out)
+    assert_bitwise_equal(scale_b, scale_a, "server scales")
+    assert_bitwise_equal(packed_b, packed_a, "server signs")
+    assert_bitwise_equal(out, in_place, "new server error")
+    assert_bitwise_equal(kept, server_error, "server error left as it was")

@@ -28,26 +28,35 @@ SCHEDULES = {
 }
 STEPS = 12
 NAN_STEPS = (2, 5, 9)  # a warmup (variance) step, a compressed one, and one of 0/1 Adam's phase 2
-SCENARIOS = ("plain", "nan", "no_sync", "accumulate", "clip", "unused", "zero_grad", "preconditioned", "ddp")
+SCENARIOS = ("plain", "nan", "no_sync", "accumulate", "clip", "unused", "absent", "zero_grad", "preconditioned", "ddp")
 
 
 class _Net(torch.nn.Module):
+    """Buckets of at most 40 elements, started in this order: [second.bias, side.weight, side.bias],
+    [second.weight], [first.bias, mid.weight, mid.bias], [first.weight]."""
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        self.first = torch.nn.Linear(6, 16)
+        self.mid = torch.nn.Linear(4, 4)  # unused on every rank on some steps of the "absent" scenario
+        self.second = torch.nn.Linear(16, 3)
         self.side = torch.nn.Linear(6, 3)  # used on rank 0 only in the "unused" scenario
 
-    def forward(self, x: torch.Tensor, side: bool = True) -> torch.Tensor:
-        return self.body(x) + (self.side(x) if side else 0.0)
+    def forward(self, x: torch.Tensor, side: bool = True, mid: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        if mid:
+            h = h + torch.nn.functional.pad(self.mid(h[:, :4]), (0, 12))
+        return self.second(h) + (self.side(x) if side else 0.0)
 
 
-def _backward(model: _Net, rank: int, t: int, micro: int = 0, nan: bool = False, side: bool = True) -> None:
+def _backward(model: _Net, rank: int, t: int, micro: int = 0, nan: bool = False, side: bool = True,
+              mid: bool = True) -> None:
     gen = torch.Generator().manual_seed(1000 * t + 10 * micro + rank)
     x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
     if nan:
         x[0, 0] = float("nan")
-    torch.nn.functional.mse_loss(model(x, side), y).backward()
+    torch.nn.functional.mse_loss(model(x, side, mid), y).backward()
 
 
 def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torch.Tensor]], dict]:
@@ -70,7 +79,7 @@ def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torc
             _backward(model, rank, t, micro=2)
         else:
             _backward(model, rank, t, nan=scenario == "nan" and rank == 1 and t in NAN_STEPS,
-                      side=scenario != "unused" or rank == 0)
+                      side=scenario != "unused" or rank == 0, mid=scenario != "absent" or t % 3 != 0)
         if scenario == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         round_ = opt._overlap.round if overlap else None
@@ -133,11 +142,13 @@ def test_overlap_is_bit_identical_for_every_plan_and_loop(tmp_path, world_size):
             # bucket on the steps that start early, when every parameter had a gradient.
             started = r["info"]["started"]
             assert started[0] == 0, where
+            early = [t for t in range(2, STEPS + 1) if name != "ZeroOneAdam" or t <= 5]
             if scenario in ("plain", "no_sync", "clip", "preconditioned"):
-                early = [t for t in range(2, STEPS + 1) if name != "ZeroOneAdam" or t <= 5]
                 assert all(started[t - 1] == 4 for t in early), f"{where}: started {started}"
             if scenario == "ddp" and name != "ZeroOneAdam":  # warmup: DDP averages; compression: started early
                 assert started[1:3] == [0, 0] and all(s == 4 for s in started[3:]), f"{where}: started {started}"
+            if scenario == "absent":  # steps 3, 6, ...: mid has no gradient anywhere; its bucket and the next start in step()
+                assert all(started[t - 1] == (2 if t % 3 == 0 else 4) for t in early), f"{where}: started {started}"
             if scenario == "unused" and rank == 1:
                 # side's bucket (started first: last built) has no gradient here: nothing starts before step()
                 assert max(started) == 0, f"{where}: started {started}"

@@ -52,7 +52,7 @@ __all__ = ["load", "build", "compiler_command", "cache_dir", "CACHE_ENV_VAR"]
 CACHE_ENV_VAR = "ONEBIT_CACHE_DIR"
 SOURCE_NAME = "cpu_kernels.cpp"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fvisibility=hidden")
-ABI = 3
+ABI = 4
 
 _c_ptr = ctypes.c_void_p
 _c_i64 = ctypes.c_int64
@@ -145,11 +145,11 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.onebit_cpu_valid_bounds.restype = _c_int
     lib.onebit_cpu_sumsq.argtypes = [_c_ptr, _c_i64, _c_int]
     lib.onebit_cpu_sumsq.restype = ctypes.c_double
-    lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_i64,
-                                      _c_ptr, _c_int]
+    lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64,
+                                      _c_i64, _c_ptr, _c_int]
     lib.onebit_cpu_worker.restype = None
-    lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr,
-                                      _c_i64, _c_i64, _c_ptr, _c_int]
+    lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64,
+                                      _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]
     lib.onebit_cpu_server.restype = None
     lib.onebit_cpu_decode.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr,
                                       _c_int]
@@ -190,38 +190,43 @@ class CpuKernels:
         return table, len(edges) - 1
 
     def worker_compress_(self, x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
-                         bounds: torch.Tensor | None = None) -> torch.Tensor:
+                         bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.worker_compress_`: returns the ``(k,)`` scales."""
         total = check_worker(x, error, packed, "cpu")
+        target = _error_target(error, error_out)
         nrows = packed.shape[0] if packed.dim() == 2 else 1
         table, k = self._table(bounds, total, 8 * nrows, "worker_compress_")
         xs, es = flat_float(x), flat_float(error)
+        eo = es if target is error else flat_float(target)
         out = byte_rows(packed, output=True)
         scales = torch.empty(k, dtype=torch.float32)
-        self.lib.onebit_cpu_worker(xs.data_ptr(), es.data_ptr(), total, table.data_ptr(), k, nrows,
+        self.lib.onebit_cpu_worker(xs.data_ptr(), es.data_ptr(), eo.data_ptr(), total, table.data_ptr(), k, nrows,
                                    out.tensor.data_ptr(), out.row_len, out.row_stride, scales.data_ptr(),
                                    torch.get_num_threads())
         out.finish_()
-        if es.data_ptr() != error.data_ptr():
-            error.copy_(es.view(error.shape))
+        if eo.data_ptr() != target.data_ptr():
+            target.copy_(eo.view(target.shape))
         return scales
 
     def server_compress_(self, signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
-                         packed: torch.Tensor, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
+                         packed: torch.Tensor, *, bounds: torch.Tensor | None = None,
+                         error_out: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.server_compress_`: returns the ``(k,)`` server scales."""
         n = check_server(signs, scales, error, packed, "cpu", claimed_segments(bounds))
+        target = _error_target(error, error_out)
         nrows = signs.shape[0]
         table, k = self._table(bounds, n * nrows, 8 * nrows, "server_compress_")
         rows = byte_rows(signs, output=False)
         sc, es = flat_float(scales), flat_float(error)
+        eo = es if target is error else flat_float(target)
         out = byte_rows(packed, output=True)
         result = torch.empty(k, dtype=torch.float32)
-        self.lib.onebit_cpu_server(rows.tensor.data_ptr(), nrows, rows.row_stride, sc.data_ptr(), es.data_ptr(), n,
-                                   table.data_ptr(), k, out.tensor.data_ptr(), out.row_len,
+        self.lib.onebit_cpu_server(rows.tensor.data_ptr(), nrows, rows.row_stride, sc.data_ptr(), es.data_ptr(),
+                                   eo.data_ptr(), n, table.data_ptr(), k, out.tensor.data_ptr(), out.row_len,
                                    out.row_stride, result.data_ptr(), torch.get_num_threads())
         out.finish_()
-        if es.data_ptr() != error.data_ptr():
-            error.copy_(es.view(error.shape))
+        if eo.data_ptr() != target.data_ptr():
+            target.copy_(eo.view(target.shape))
         return result
 
     def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
@@ -242,7 +247,7 @@ class CpuKernels:
 
     def kernel_set(self) -> KernelSet:
         return KernelSet(name="cpu", worker_compress_=self.worker_compress_,
-                         server_compress_=self.server_compress_, decode_=self.decode_)
+                         server_compress_=self.server_compress_, decode_=self.decode_, separate_errors=True)
 
 
 _KERNELS: CpuKernels | None = None
@@ -257,3 +262,14 @@ def load() -> CpuKernels:
 
 
 register("cpu", lambda: load().kernel_set(), native_for="cpu")
+
+
+def _error_target(error: torch.Tensor, error_out: torch.Tensor | None) -> torch.Tensor:
+    """Where the new error goes: ``error`` itself, or ``error_out`` (same shape, float32, CPU,
+    not overlapping ``error``: the kernel reads one while it writes the other)."""
+    if error_out is None or error_out is error:
+        return error
+    if error_out.shape != error.shape or error_out.dtype != torch.float32 or error_out.device.type != "cpu":
+        raise ValueError(f"error_out must be a float32 CPU tensor of shape {tuple(error.shape)}, got {error_out.dtype} "
+                         f"{tuple(error_out.shape)} on {error_out.device}")
+    return error_out

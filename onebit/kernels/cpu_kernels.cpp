@@ -524,7 +524,7 @@ using ServerVec = ServerSource;
 
 extern "C" {
 
-ONEBIT_EXPORT int onebit_cpu_abi(void) { return 3; }
+ONEBIT_EXPORT int onebit_cpu_abi(void) { return 4; }
 
 // 1 when the AVX2 paths are in use, 0 for the portable paths.
 ONEBIT_EXPORT int onebit_cpu_vector_path(void) { return use_avx2() ? 1 : 0; }
@@ -554,11 +554,12 @@ ONEBIT_EXPORT double onebit_cpu_sumsq(const float* b, int64_t n, int threads) {
 
 // Worker over `total` elements in the k segments of `bounds` (k + 1 entries, 0 .. total, each
 // segment a multiple of 8 nrows): b = x + e; per segment i, scale_i = blocked RMS of its b; chunk j
-// of it packed into wire row j at byte bounds[i] / (8 nrows); e <- b - scale_i * sign(b); scales
-// into scales_out[0..k). Wire byte w (row w / (total / (8 nrows))) lives at
+// of it packed into wire row j at byte bounds[i] / (8 nrows); e_out <- b - scale_i * sign(b)
+// (e_out may be e, or a buffer of its own: e is then left as it was); scales into
+// scales_out[0..k). Wire byte w (row w / (total / (8 nrows))) lives at
 // packed + (w / row_len) * row_stride + w % row_len.
-ONEBIT_EXPORT void onebit_cpu_worker(const float* x, float* e, int64_t total, const int64_t* bounds, int64_t k,
-                                     int64_t nrows, uint8_t* packed, int64_t row_len, int64_t row_stride,
+ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const float* e, float* e_out, int64_t total, const int64_t* bounds,
+                                     int64_t k, int64_t nrows, uint8_t* packed, int64_t row_len, int64_t row_stride,
                                      float* scales_out, int threads) {
     const auto src_of = [x, e](int64_t) { return WorkerSource{x, e}; };
 #if ONEBIT_X86
@@ -566,25 +567,26 @@ ONEBIT_EXPORT void onebit_cpu_worker(const float* x, float* e, int64_t total, co
 #else
     const auto vec_of = src_of;
 #endif
-    compress(Segments{bounds, k, 1}, src_of, vec_of, e, total, nrows, ByteRows{packed, row_len, row_stride},
+    compress(Segments{bounds, k, 1}, src_of, vec_of, e_out, total, nrows, ByteRows{packed, row_len, row_stride},
              scales_out, clamp_threads(threads, total));
 }
 
 // Server over a chunk of n elements whose segments are bounds / nrows (`bounds`: the worker's
 // table, k + 1 entries): per segment i, c = (sum_r scales[r * k + i] * q_r) / nrows + e;
 // scale_i = blocked RMS of its c; packed <- signs of c (byte w at packed + (w / row_len) *
-// row_stride + w % row_len); e <- c - scale_i * sign(c); scales into scales_out[0..k). `signs`
-// holds nrows rows of n / 8 bytes, `sign_stride` bytes apart.
+// row_stride + w % row_len); e_out <- c - scale_i * sign(c) (e_out may be e); scales into
+// scales_out[0..k). `signs` holds nrows rows of n / 8 bytes, `sign_stride` bytes apart.
 ONEBIT_EXPORT void onebit_cpu_server(const uint8_t* signs, int64_t nrows, int64_t sign_stride, const float* scales,
-                                     float* e, int64_t n, const int64_t* bounds, int64_t k, uint8_t* packed,
-                                     int64_t row_len, int64_t row_stride, float* scales_out, int threads) {
+                                     const float* e, float* e_out, int64_t n, const int64_t* bounds, int64_t k,
+                                     uint8_t* packed, int64_t row_len, int64_t row_stride, float* scales_out,
+                                     int threads) {
     const auto src_of = [=](int64_t i) { return ServerSource{signs, sign_stride, scales + i, k, nrows, e}; };
 #if ONEBIT_X86
     const auto vec_of = [=](int64_t i) { return ServerVec{src_of(i)}; };
 #else
     const auto vec_of = src_of;
 #endif
-    compress(Segments{bounds, k, nrows}, src_of, vec_of, e, n, 1, ByteRows{packed, row_len, row_stride},
+    compress(Segments{bounds, k, nrows}, src_of, vec_of, e_out, n, 1, ByteRows{packed, row_len, row_stride},
              scales_out, clamp_threads(threads, n));
 }
 

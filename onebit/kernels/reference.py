@@ -79,7 +79,7 @@ def segment_bounds(bounds: torch.Tensor | None, total: int) -> list[int]:
 
 
 def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
-                     bounds: torch.Tensor | None = None) -> torch.Tensor:
+                     bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None) -> torch.Tensor:
     """Worker side: for each segment ``b = x + error``; pack ``sign(b)``; ``error <- b - s*sign(b)``.
 
     ``x`` and ``error`` are flat, ``M`` elements, cut into segments by ``bounds`` (int64
@@ -90,12 +90,15 @@ def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
     at bytes ``o_i / (8 n) ... (o_i / n + L_i) / 8``: row ``j`` holds chunk ``j`` of every
     segment, in segment order. Returns the ``(k,)`` float32 scales.
 
-    ``x`` is left unchanged; ``error`` is updated in place; ``packed`` is overwritten.
+    ``x`` is left unchanged; ``error`` is updated in place, or, given ``error_out`` (a buffer of
+    its own, of ``error``'s shape), left as it is and the new error written there; ``packed`` is
+    overwritten.
     """
     rows = packed.reshape(-1, packed.shape[-1]) if packed.dim() == 2 else packed.reshape(1, -1)
     n = rows.shape[0]
     edges = segment_bounds(bounds, x.numel())
     b = x + error
+    target = error if error_out is None else error_out
     scales = []
     out = rows.clone()
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -103,7 +106,7 @@ def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
         scale = rms_scale(seg)
         chunk = (hi - lo) // n
         out[:, lo // (8 * n):(lo // n + chunk) // 8] = pack_signs(seg).view(n, chunk // 8)
-        error[lo:hi] = seg - _sign_values(seg) * scale
+        target[lo:hi] = seg - _sign_values(seg) * scale
         scales.append(scale)
     packed.copy_(out.reshape(packed.shape))
     return torch.stack(scales)
@@ -111,7 +114,7 @@ def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
 
 def server_compress_(
     signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
-    bounds: torch.Tensor | None = None,
+    bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Server side for one chunk of every segment.
 
@@ -121,7 +124,8 @@ def server_compress_(
     worker's segment boundaries (``M = 8 n C`` elements; the server's are ``bounds / n``). For each
     segment ``i``: ``c = (sum_r s_ri q_r) / n + error``, packs ``sign(c)`` into ``packed`` (``C``
     bytes, the same positions), sets ``error <- c - s_i sign(c)`` and returns the ``(k,)`` server
-    scales ``s_i`` (each the RMS of its segment's ``c``).
+    scales ``s_i`` (each the RMS of its segment's ``c``). ``error_out``: as in
+    :func:`worker_compress_`.
     """
     n = signs.shape[0]
     edges = [e // n for e in segment_bounds(bounds, error.numel() * n)]
@@ -129,6 +133,7 @@ def server_compress_(
     scales = scales.reshape(n, k)
     values = unpack_signs(signs).view(n, -1)
     out = packed.reshape(-1).clone()
+    target = error if error_out is None else error_out
     result = []
     for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
         acc = values[0, lo:hi] * scales[0, i]
@@ -138,7 +143,7 @@ def server_compress_(
         c = acc.div_(torch.tensor(float(n), device=acc.device)).add_(error[lo:hi])
         scale = rms_scale(c)
         out[lo // 8:hi // 8] = pack_signs(c)
-        error[lo:hi] = c - _sign_values(c) * scale
+        target[lo:hi] = c - _sign_values(c) * scale
         result.append(scale)
     packed.copy_(out.reshape(packed.shape))
     return torch.stack(result)

@@ -21,12 +21,15 @@ ENV_VAR = "ONEBIT_KERNELS"
 
 @dataclass(frozen=True)
 class KernelSet:
-    """One implementation of the codec's three operations."""
+    """One implementation of the codec's three operations. ``separate_errors``: its compress
+    functions take ``error_out=`` (the new error written there, ``error`` left as it is); else
+    the caller copies the error there first and compresses in place."""
 
     name: str
     worker_compress_: Callable[..., torch.Tensor]
     server_compress_: Callable[..., torch.Tensor]
     decode_: Callable[..., torch.Tensor]
+    separate_errors: bool = False
 
 
 REFERENCE = KernelSet(
@@ -34,6 +37,7 @@ REFERENCE = KernelSet(
     worker_compress_=reference.worker_compress_,
     server_compress_=reference.server_compress_,
     decode_=reference.decode_,
+    separate_errors=True,
 )
 
 # name -> loader returning a KernelSet or raising ImportError/RuntimeError with the cause.
