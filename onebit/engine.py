@@ -513,7 +513,8 @@ class OnebitOptimizer(Lifecycle, StateDictContract, torch.optim.Optimizer):
         t = self._step + 1
         self._schedule_step(t)
         plan = self.plan_for(t)
-        self._backend.begin_step(plan.name)
+        if self._overlap is None or not self._overlap.began(t):  # (a round begins the step's statistics)
+            self._backend.begin_step(plan.name)
         if not self._layout_checked:  # first step: ranks holding different models fail clearly
             check_layout(self._buckets, self._backend)
             self._layout_checked = True

@@ -16,7 +16,9 @@ only the network is modelled::
   :func:`onebit.collectives.compressed_allreduce_`, ``M`` the padded length;
 * ``exposed(w) = w - min(w, codec) * (k-1)/k`` with ``k`` buckets: OnebitAdam pipelines its
   buckets, so the transfers of all but one bucket can hide behind the codec work of the others
-  (with one bucket nothing is hidden);
+  (with one bucket nothing is hidden); with ``overlap_backward=True`` they start during backward
+  instead: ``exposed(w) = w/k + max(0, w (k-1)/k - backward_s)`` (the last bucket's transfers
+  start after backward; the others' hide behind what is left of it);
 * ``goodput = B * wire_efficiency``: TCP payload rate (default 1448/1514: 1500-byte Ethernet frames);
 * ``codec = 4M bytes / codec_gbps``: this rank's worker compress, server compress and decode;
 * ``adam_step_s``: a ``torch.optim.Adam`` step on ``N`` parameters; ``onebit_step_s``: the rest of
@@ -335,6 +337,8 @@ def estimate_speedup(
     reduce_gbps: float = DEFAULT_REDUCE_GBPS,
     wire_efficiency: float = TCP_ETHERNET_EFFICIENCY,
     buckets: int | None = None,
+    overlap_backward: bool = False,
+    backward_s: float | None = None,
 ) -> SpeedupEstimate:
     """Expected speedup of a 1-bit Adam compression-phase step over a step with an fp32 ring
     all-reduce of the gradients and ``torch.optim.Adam`` (model: the module docstring).
@@ -353,6 +357,10 @@ def estimate_speedup(
         wire_efficiency: TCP payload rate over link rate (default: 1500-byte Ethernet frames).
         buckets: compression buckets (``OnebitAdam.num_buckets``); default, the number OnebitAdam's
             default ``bucket_size`` gives for one tensor of ``num_params``: ``ceil(N / 2**24)``.
+        overlap_backward: the optimizer's ``overlap_backward``: the transfers of all buckets but
+            the last hide behind ``backward_s``.
+        backward_s: the backward pass's seconds (default two thirds of ``compute_s``); only with
+            ``overlap_backward``.
 
     ``codec_gbps``, ``adam_step_s`` and ``onebit_step_s`` left as None are measured on this machine
     (:func:`measure_local_costs`). Returns a :class:`SpeedupEstimate`; ``float(estimate)`` is the
@@ -366,6 +374,11 @@ def estimate_speedup(
     reduce_gbps = _real("reduce_gbps", reduce_gbps, positive=True, allow_inf=True)
     efficiency = _real("wire_efficiency", wire_efficiency, positive=True, upper=1.0)
     buckets = -(-num_params // DEFAULT_BUCKET_SIZE) if buckets is None else _int_at_least("buckets", buckets, 1)
+    if not isinstance(overlap_backward, bool):
+        raise ValueError(f"invalid overlap_backward: {overlap_backward!r}; expected True or False")
+    if backward_s is not None and not overlap_backward:
+        raise ValueError("backward_s applies only with overlap_backward=True; drop it or pass overlap_backward=True")
+    backward_s = compute_s * 2 / 3 if backward_s is None else _real("backward_s", backward_s, positive=False)
     given = {"codec_gbps": codec_gbps, "adam_step_s": adam_step_s, "onebit_step_s": onebit_step_s}
     for name, value in given.items():
         if value is not None:
@@ -384,7 +397,10 @@ def estimate_speedup(
     codec_s = 4 * padded_length(num_params, n) / (codec_gbps * 1e9)
     latency = 2 * (n - 1) * latency_s
     baseline = compute_s + adam_step_s + max(fp32_wire_s, fp32_reduce_s) + latency
-    exposed_s = onebit_wire_s - min(onebit_wire_s, codec_s) * (buckets - 1) / buckets
+    if overlap_backward:
+        exposed_s = onebit_wire_s / buckets + max(0.0, onebit_wire_s * (buckets - 1) / buckets - backward_s)
+    else:
+        exposed_s = onebit_wire_s - min(onebit_wire_s, codec_s) * (buckets - 1) / buckets
     compressed = compute_s + onebit_step_s + codec_s + exposed_s + latency
     return SpeedupEstimate(
         speedup=baseline / compressed, baseline_step_s=baseline, compressed_step_s=compressed,
@@ -578,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-s", type=float, default=DEFAULT_LATENCY_S)
     parser.add_argument("--reduce-gbps", type=float, default=DEFAULT_REDUCE_GBPS)
     parser.add_argument("--buckets", type=int, default=None, help="compression buckets (default: ceil(params / 2**24))")
+    parser.add_argument("--overlap-backward", action="store_true",
+                        help="the optimizer's overlap_backward: all buckets' transfers but the last hide behind backward")
+    parser.add_argument("--backward-s", type=float, default=None,
+                        help="with --overlap-backward: backward seconds (default 2/3 of --compute-s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the measurements")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="two levels: ranks per node (the world size must be a multiple); "
@@ -609,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         est = estimate_speedup(params, args.world_size, args.bandwidth_gbps, codec_gbps=args.codec_gbps,
                                compute_s=args.compute_s, adam_step_s=args.adam_step_s,
                                onebit_step_s=args.onebit_step_s, latency_s=args.latency_s,
-                               reduce_gbps=args.reduce_gbps, buckets=args.buckets)
+                               reduce_gbps=args.reduce_gbps, buckets=args.buckets,
+                               overlap_backward=args.overlap_backward, backward_s=args.backward_s)
     except ValueError as exc:
         parser.error(str(exc))
     sys.stdout.write(json.dumps(est.as_dict(), indent=2) + "\n" if args.json else format_estimate(est))

@@ -135,7 +135,7 @@ class Overlap:
             plan = opt.plan_for(opt._step + 1)
             if not opt._starts_early(plan) or getattr(opt, "grad_scale", None) is not None:
                 return
-            r = self.round = self._new_round(plan, opt._step + 1)
+            r = self.round = self._new_round(plan, opt._step + 1, begin=True)
         if r.repeated:
             return
         key = id(param)
@@ -150,8 +150,14 @@ class Overlap:
         while r.started < len(self.order) and r.ready[r.started] >= self._expected[r.started]:
             self._start(r, r.started)
 
-    def _new_round(self, plan: StepPlan, t: int) -> Round:
+    def began(self, t: int) -> bool:
+        """Whether a round of step ``t`` is under way (it began the step's statistics)."""
+        return self.round is not None and self.round.t == t
+
+    def _new_round(self, plan: StepPlan, t: int, begin: bool = False) -> Round:
         opt = self.optimizer
+        if begin:  # during backward: what it sends counts for step t (step() begins it otherwise)
+            opt._backend.begin_step(plan.name)
         compressed, _, reduced = opt._classify(plan)
         check_double = bool(reduced) and opt._backend.world_size > 1 and opt._double_checks < opt._DOUBLE_CHECKS
         if compressed:  # the keep masks (first compression step) read the state only; the staging needs them

@@ -78,6 +78,21 @@ def test_pipelined_buckets_hide_wire_time_behind_the_codec():
     assert estimate_speedup(numel, n, gbit, **COSTS).buckets == 3
 
 
+def test_overlap_backward_hides_all_buckets_but_the_last_behind_backward():
+    """overlap_backward: the last bucket's transfers stay exposed, the others hide behind backward
+    (two thirds of compute_s unless backward_s is given) as far as it lasts."""
+    numel, n = 40_000_000, 2
+    slow = estimate_speedup(numel, n, 0.1, buckets=4, compute_s=0.9, overlap_backward=True, **COSTS)
+    assert slow.onebit_wire_s > 0.4  # 418 ms of wire: 314 ms would hide, backward is 600 ms
+    assert slow.onebit_wire_exposed_s == pytest.approx(slow.onebit_wire_s / 4)
+    short = estimate_speedup(numel, n, 0.1, buckets=4, compute_s=0.9, overlap_backward=True, backward_s=0.1, **COSTS)
+    assert short.onebit_wire_exposed_s == pytest.approx(short.onebit_wire_s - 0.1)
+    one = estimate_speedup(numel, n, 0.1, buckets=1, compute_s=0.9, overlap_backward=True, **COSTS)
+    assert one.onebit_wire_exposed_s == one.onebit_wire_s
+    with pytest.raises(ValueError, match="backward_s applies only with overlap_backward"):
+        estimate_speedup(numel, n, 0.1, backward_s=0.1, **COSTS)
+
+
 def test_speedup_falls_as_bandwidth_rises():
     rates = [0.1, 0.5, 1, 2, 5, 10, 25, 100, 400]
     free_reduce = [estimate_speedup(50_000_000, 8, r, compute_s=0.2, reduce_gbps=math.inf, **COSTS).speedup

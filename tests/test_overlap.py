@@ -66,7 +66,7 @@ def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torc
     if scenario == "ddp":  # accumulation the DDP way: ddp.no_sync() (attach_ddp makes it the optimizer's too)
         net = DDP(model)
         attach_ddp(net, opt)
-    trajectory, started = [], []
+    trajectory, started, sent = [], [], []
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
         if scenario in ("no_sync", "accumulate", "ddp"):
@@ -85,12 +85,13 @@ def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torc
         round_ = opt._overlap.round if overlap else None
         started.append(0 if round_ is None else round_.started)
         opt.step()
+        sent.append(opt.comm_stats()["last_step"]["bytes_sent"])
         trajectory.append([p.detach().clone() for p in model.parameters()]
                           + [v.clone() for p in model.parameters() for v in opt.state[p].values()
                              if isinstance(v, torch.Tensor)]
                           + [e.clone() for pair in opt.compression_errors() for e in pair])
     stats = opt.comm_stats()
-    return trajectory, {"started": started, "steps": {k: stats[k]["steps"] for k in opt.PLAN_NAMES},
+    return trajectory, {"started": started, "sent": sent, "steps": {k: stats[k]["steps"] for k in opt.PLAN_NAMES},
                         "skipped": sum(stats[k]["skipped_steps"] for k in opt.PLAN_NAMES),
                         "buckets": opt.num_buckets}
 
@@ -152,5 +153,10 @@ def test_overlap_is_bit_identical_for_every_plan_and_loop(tmp_path, world_size):
             if scenario == "unused" and rank == 1:
                 # side's bucket (started first: last built) has no gradient here: nothing starts before step()
                 assert max(started) == 0, f"{where}: started {started}"
+            # What the step sent, counted for the step (backward's share too): the same bytes, but for
+            # the vote on changed gradients (one more float in the finiteness flag, or a flag of its own).
+            if scenario in ("plain", "nan", "unused", "absent", "preconditioned"):
+                extra = [a - b for a, b in zip(r["info"]["sent"], r["plain_info"]["sent"])]
+                assert all(0 <= e <= 8 for e in extra), f"{where}: bytes beyond the unoverlapped steps' {extra}"
             # Redone (and said) exactly when the loop changed gradients after their bucket started.
             assert r["warned"] == (scenario in ("accumulate", "clip", "zero_grad") and rank == 0), where
