@@ -31,6 +31,7 @@ bit-identical with and without overlap, step for step.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,6 +51,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["Overlap", "Round"]
+
+
+def _hook_of(overlap: weakref.ref[Overlap]) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that does not keep the optimizer alive (the parameters outlive it)."""
+    def hook(param: torch.Tensor) -> None:
+        owner = overlap()
+        if owner is not None:
+            owner._hook(param)
+    return hook
 
 
 def _fingerprint(bucket: Bucket) -> list[tuple[int, int]]:
@@ -109,12 +119,7 @@ class Overlap:
         for position, bucket in enumerate(self.order):
             for p in bucket.owners:
                 self._where[id(p)] = position
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+                self._handles.append(p.register_post_accumulate_grad_hook(_hook_of(weakref.ref(self))))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
