@@ -107,12 +107,13 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             ``True``: each bucket's communication starts during backward, as soon as its
             gradients are there (gradient hooks, buckets started in reverse order, as DDP does):
             the full-precision average of warmup (and of 0/1 Adam's variance steps) and the
-            compression and all-to-all of a compressed step; ``step()`` finishes it. Same numbers
-            as without it, step for step (see :mod:`onebit.overlap`); costs a copy of the worker
-            error per compressed step and a buffer for the staged momentum. Run the micro-batches
-            of gradient accumulation but the last under :meth:`no_sync`; gradients changed after
-            backward (clipping) make ``step()`` redo the communication (said once). Not with
-            ``torch.amp.GradScaler`` (its scale is known only at ``step()``) nor ``hierarchy``.
+            compression, all-to-all and all-gather of a compressed step; ``step()`` finishes it.
+            Same numbers as without it, step for step (see :mod:`onebit.overlap`); costs a second
+            set of compression-error buffers and a buffer for the staged momentum. Run the
+            micro-batches of gradient accumulation but the last under :meth:`no_sync`; gradients
+            changed after backward (clipping) make ``step()`` redo the communication (said once).
+            Not with ``torch.amp.GradScaler`` (its scale is known only at ``step()``) nor
+            ``hierarchy``. On 2 CPU cores it sped up warmup steps only (``benchmarks/README.md``).
     """
 
     # What a subclass declares: per-element state buffers (param-shaped in the state dict), the
