@@ -10,7 +10,7 @@ import torch
 from . import functional as F
 from .buckets import Bucket
 from .frozen import FrozenVarianceOptimizer
-from .validation import check_flag
+from .validation import DEEPSPEED_COMMON_REFUSED, check_flag
 
 __all__ = ["OnebitAdam", "adam_step_", "descend_"]
 
@@ -49,6 +49,8 @@ class OnebitAdam(FrozenVarianceOptimizer):
     """
 
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+    CONFIG_TYPE: ClassVar[str] = "OneBitAdam"
+    DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
 
     def __init__(
         self,

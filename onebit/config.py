@@ -11,21 +11,14 @@ A whole DeepSpeed config is accepted as it is; only its optimizer section is rea
       }
     }
 
-``params`` takes DeepSpeed's keys for that type (OneBitAdam: ``lr``, ``betas``, ``eps``,
-``weight_decay``, ``freeze_step``, ``cuda_aware``, ``comm_backend_name``, ``bias_correction``;
-OneBitLamb: the same without ``bias_correction``, plus ``max_coeff``, ``min_coeff``,
-``coeff_beta``, ``factor_max``, ``factor_min``, ``factor_threshold``; ZeroOneAdam: ``lr``,
-``betas``, ``eps``, ``weight_decay``, ``bias_correction``, ``var_freeze_step``,
-``var_update_scaler``, ``local_step_scaler``, ``local_step_clipper``, ``cuda_aware``,
-``comm_backend_name``) and every other keyword argument of the optimizer that is a plain value
-(``bucket_size``, ``kernels``, ...): :data:`CONFIG_KEYS`. Only the keys present are passed on:
-every default is the optimizer's. Keys DeepSpeed accepted and ignored raise, with the reason,
-whatever their value: ``max_grad_norm``, ``eps_inside_sqrt``, ``amsgrad``, and OneBitLamb's
-``bias_correction`` (1-bit LAMB has none; DeepSpeed's examples set it to ``false``, which would
-be harmless, but ``true`` would be ignored, so the key is refused rather than read). OneBitAdam's
-and ZeroOneAdam's ``bias_correction`` is implemented (off by default for ZeroOneAdam, as
-DeepSpeed's ``false``). ZeroOneAdam also refuses ``freeze_step`` (1-bit Adam's; its first phase
-is ``var_freeze_step`` long).
+The types are the optimizer classes' ``CONFIG_TYPE`` (``OneBitAdam``: :class:`OnebitAdam`,
+``OneBitLamb``: :class:`OnebitLamb`, ``ZeroOneAdam``: :class:`ZeroOneAdam`; any subclass of
+:class:`onebit.engine.OnebitOptimizer` that sets one). ``params`` takes the keyword arguments of
+that class that are plain values (:func:`config_keys`: DeepSpeed's keys for the type and the
+others, ``bucket_size``, ``kernels``, ...). Only the keys present are passed on: every default is
+the optimizer's. The keys the class refuses, ``DEEPSPEED_REFUSED`` (DeepSpeed accepted and ignored
+them: ``max_grad_norm``, ``eps_inside_sqrt``, ``amsgrad``, OneBitLamb's ``bias_correction``) and
+``NOT_SETTINGS`` (ZeroOneAdam's ``freeze_step``), raise with the reason, whatever their value.
 """
 
 from __future__ import annotations
@@ -40,21 +33,14 @@ from typing import Any, Callable
 
 import torch
 
+from . import adam, lamb, zoadam  # noqa: F401  (they register their CONFIG_TYPE)
 from .backends import CommBackend
-from .adam import OnebitAdam
 from .engine import OnebitOptimizer
-from .lamb import DEEPSPEED_IGNORED as _LAMB_IGNORED
-from .lamb import OnebitLamb
-from .zoadam import DEEPSPEED_IGNORED as _ZOADAM_REFUSED
-from .zoadam import ZeroOneAdam
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["from_config", "load_config", "optimizer_kwargs", "CONFIG_KEYS"]
+__all__ = ["from_config", "load_config", "optimizer_kwargs", "config_keys"]
 
-# DeepSpeed's type names (matched case-insensitively, as DeepSpeed did) and what they build.
-OPTIMIZER_TYPES: dict[str, type[OnebitOptimizer]] = {
-    "OneBitAdam": OnebitAdam, "OneBitLamb": OnebitLamb, "ZeroOneAdam": ZeroOneAdam}
 OPTIMIZER_TYPE = "OneBitAdam"  # the one named in hints
 _SECTION = "optimizer"
 _YAML_SUFFIXES = (".yaml", ".yml")
@@ -111,30 +97,14 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 _NOT_IN_FILES = ("params", "backend", "group", "momentum_masks")
 
 
-def _config_keys(cls: type[OnebitOptimizer]) -> tuple[str, ...]:
+def config_keys(cls: type[OnebitOptimizer]) -> tuple[str, ...]:
+    """The keys ``optimizer.params`` takes for optimizer class ``cls``: its keyword arguments (and
+    the engine's) that are plain values."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     names = set()
     for function in (cls.__init__, OnebitOptimizer.__init__):
         names |= {p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds}
     return tuple(sorted(names - {"self", "defaults", *_NOT_IN_FILES}))
-
-
-#: keys accepted in ``optimizer.params``, per type: the optimizer's keyword arguments that are plain values
-CONFIG_KEYS = {name: _config_keys(cls) for name, cls in OPTIMIZER_TYPES.items()}
-
-# Keys DeepSpeed's optimizers accepted and ignored: onebit refuses them with the reason.
-_DEEPSPEED_IGNORED = {
-    "OneBitAdam": {key: why for key, why in _LAMB_IGNORED.items() if key != "bias_correction"},
-    "OneBitLamb": _LAMB_IGNORED,
-    "ZeroOneAdam": {key: why for key, why in _ZOADAM_REFUSED.items() if key != "freeze_step"},
-}
-# Keys refused with a reason that DeepSpeed's optimizer of that type did not take either (a config
-# written for another type): 1-bit Adam's freeze_step in a ZeroOneAdam config.
-_OTHER_TYPES_KEYS = {
-    "OneBitAdam": {},
-    "OneBitLamb": {},
-    "ZeroOneAdam": {"freeze_step": _ZOADAM_REFUSED["freeze_step"]},
-}
 
 
 def load_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
@@ -229,16 +199,18 @@ def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[type[OnebitOptimizer], 
     kind = section["type"]
     if not isinstance(kind, str):
         raise TypeError(f"optimizer.type must be a string, got {kind!r} of type {type(kind).__name__}")
-    matches = [name for name in OPTIMIZER_TYPES if name.lower() == kind.lower()]
+    types = OnebitOptimizer.registered()
+    matches = [name for name in types if name.lower() == kind.lower()]
     if not matches:
-        *first, last = [repr(name) for name in OPTIMIZER_TYPES]
+        *first, last = [repr(name) for name in types]
         names = f"{', '.join(first)} or {last}"
         raise ValueError(
             f"unsupported optimizer type {kind!r}; onebit builds {names} (case-insensitive): "
             f"set \"type\": \"{OPTIMIZER_TYPE}\", for example, or build {kind!r} another way"
         )
     kind = matches[0]
-    keys, ignored, foreign = CONFIG_KEYS[kind], _DEEPSPEED_IGNORED[kind], _OTHER_TYPES_KEYS[kind]
+    cls = types[kind]
+    keys, ignored, foreign = config_keys(cls), cls.DEEPSPEED_REFUSED, cls.NOT_SETTINGS
     params = section.get("params", {})
     if params is None:
         params = {}
@@ -261,7 +233,7 @@ def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[type[OnebitOptimizer], 
         if not check(value):
             raise _type_error(key, value, expected)
         kwargs[key] = tuple(value) if key == "betas" else value
-    return OPTIMIZER_TYPES[kind], kwargs, others
+    return cls, kwargs, others
 
 
 def from_config(

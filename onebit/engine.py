@@ -40,7 +40,7 @@ from .validation import check_common_group, check_engine_options, check_flag, ch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OnebitOptimizer", "StepPlan", "DEFAULT_BUCKET_SIZE"]
+__all__ = ["OnebitOptimizer", "StepPlan", "DEFAULT_BUCKET_SIZE", "optimizer_names"]
 
 DEFAULT_BUCKET_SIZE = 2**24  # elements (64 MiB of float32 momentum)
 # The first this many steps whose gradients the optimizer all-reduces itself look for gradients
@@ -134,6 +134,15 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ()
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
     PLAN_NAMES: ClassVar[tuple[str, ...]] = ()
+    #: The optimizer's type name in DeepSpeed-style config files (``"optimizer": {"type": ...}``,
+    #: matched case-insensitively); a subclass that sets it can be built by :func:`onebit.from_config`.
+    CONFIG_TYPE: ClassVar[str | None] = None
+    #: Keyword arguments DeepSpeed's optimizer of this type accepted and ignored: refused (by the
+    #: constructor and in config files) with the reason.
+    DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = {}
+    #: Settings of other optimizers that are not this one's, refused with the reason.
+    NOT_SETTINGS: ClassVar[Mapping[str, str]] = {}
+    _REGISTRY: ClassVar[dict[str, type[OnebitOptimizer]]] = {}
     # Compressed plans whose _compress_input leaves the state untouched when self._staging is set
     # (writing what it computes to buffers of its own): overlap_backward starts them during backward.
     _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset()
@@ -162,7 +171,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         overlap_backward: bool = False,
         **unknown: Any,
     ) -> None:
-        refuse_unknown(type(self).__name__, unknown)
+        refuse_unknown(type(self).__name__, unknown, {**type(self).DEEPSPEED_REFUSED, **type(self).NOT_SETTINGS})
         check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
         check_hierarchy(hierarchy, hierarchy_variant)
         check_flag("overlap_backward", overlap_backward)
@@ -206,6 +215,16 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         if overlap_backward:
             self._overlap = Overlap(self)
             self._overlap.attach(self._buckets)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("CONFIG_TYPE"):
+            OnebitOptimizer._REGISTRY[cls.CONFIG_TYPE] = cls
+
+    @staticmethod
+    def registered() -> dict[str, type[OnebitOptimizer]]:
+        """The optimizer classes by their ``CONFIG_TYPE`` (those defined so far)."""
+        return dict(OnebitOptimizer._REGISTRY)
 
     # ----------------------------------------------------------------- what a subclass provides
 
@@ -537,3 +556,9 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     def _kernels_for(self, bucket: Bucket) -> KernelSet:
         kernels = self._kernels[bucket.device]
         return timed_kernels(kernels, self._timed) if self._timed.callbacks else kernels
+
+
+def optimizer_names() -> str:
+    """The onebit optimizers' class names, for messages: "OnebitAdam, OnebitLamb or ZeroOneAdam"."""
+    *first, last = [cls.__name__ for cls in OnebitOptimizer.registered().values()] or ["a onebit optimizer"]
+    return f"{', '.join(first)} or {last}" if first else last

@@ -42,6 +42,7 @@ import torch
 from .backends.base import COMPLETED, CommBackend, Pending
 from .compression import chunk_bytes, read_scales, row_bytes, write_scale_
 from .kernels import KernelSet
+from .validation import check_choice
 
 __all__ = ["VARIANTS", "Topology", "TwoLevelState", "check_hierarchy", "build_topology", "node_groups"]
 
@@ -59,8 +60,7 @@ def check_hierarchy(hierarchy: Any, variant: Any) -> None:
             f"invalid hierarchy: {hierarchy!r}; expected None (flat), 'host' (ranks grouped by host name) "
             "or a positive int L (consecutive groups of L ranks)"
         )
-    if variant not in VARIANTS:
-        raise ValueError(f"invalid hierarchy_variant: {variant!r}; expected one of {', '.join(map(repr, VARIANTS))}")
+    check_choice("hierarchy_variant", variant, VARIANTS)
 
 
 def node_groups(node_ids: Sequence[Any]) -> list[list[int]] | str:

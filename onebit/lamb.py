@@ -11,17 +11,9 @@ from . import functional as F
 from .buckets import Bucket
 from .shards import reduce_over_shards_
 from .frozen import FrozenVarianceOptimizer
-from .validation import check_number, refuse
+from .validation import DEEPSPEED_COMMON_REFUSED, check_number
 
 __all__ = ["OnebitLamb"]
-
-# Keys DeepSpeed's OnebitLamb accepted and ignored; onebit refuses them, with the reason.
-DEEPSPEED_IGNORED = {
-    "bias_correction": "DeepSpeed's OnebitLamb read it and never used it: there is no bias correction in 1-bit LAMB",
-    "max_grad_norm": "clip gradients in the training loop (torch.nn.utils.clip_grad_norm_) before step()",
-    "eps_inside_sqrt": "eps is always added outside the square root (DeepSpeed's behaviour)",
-    "amsgrad": "AMSGrad is not implemented",
-}
 
 
 class OnebitLamb(FrozenVarianceOptimizer):
@@ -89,6 +81,11 @@ class OnebitLamb(FrozenVarianceOptimizer):
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq", "exp_avg_sq_fresh")
     _SCALARS: ClassVar[dict[str, float]] = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0}
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff")
+    CONFIG_TYPE: ClassVar[str] = "OneBitLamb"
+    DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = {
+        "bias_correction": "DeepSpeed's OnebitLamb read it and never used it: there is no bias correction in 1-bit LAMB",
+        **DEEPSPEED_COMMON_REFUSED,
+    }
 
     def __init__(
         self,
@@ -109,7 +106,6 @@ class OnebitLamb(FrozenVarianceOptimizer):
         freeze_bounds: tuple[int, int | None] | None = None,
         **options: Any,
     ) -> None:
-        refuse("OnebitLamb", options, DEEPSPEED_IGNORED)
         check_number("coeff_beta", coeff_beta, high=1.0, high_open=True)
         check_number("factor_min", factor_min)
         check_number("factor_max", factor_max)
@@ -125,9 +121,9 @@ class OnebitLamb(FrozenVarianceOptimizer):
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:
         super()._check_group(group)
-        for key in DEEPSPEED_IGNORED:
+        for key, why in cls.DEEPSPEED_REFUSED.items():
             if key in group:
-                raise ValueError(f"param group key {key!r} is not read by OnebitLamb ({DEEPSPEED_IGNORED[key]}); remove it")
+                raise ValueError(f"param group key {key!r} is not read by OnebitLamb ({why}); remove it")
         check_number("max_coeff", group["max_coeff"])
         check_number("min_coeff", group["min_coeff"])
         if group["min_coeff"] > group["max_coeff"]:

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_number", "check_int", "check_flag", "check_params", "check_common_group", "check_engine_options",
-           "refuse", "refuse_unknown", "TORCH_FLAGS",
+__all__ = ["check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
+           "check_engine_options", "refuse", "refuse_unknown", "TORCH_FLAGS", "DEEPSPEED_COMMON_REFUSED",
            "COMPRESSION_SPACES", "check_compression_space"]
 
 
@@ -81,10 +81,8 @@ def check_engine_options(bucket_size: Any, nonfinite_grads: Any, divergence: Any
     """The keyword-only options of :class:`onebit.engine.OnebitOptimizer` that are plain values."""
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
         raise ValueError(f"invalid bucket_size: {bucket_size!r}; it must be a positive int (elements)")
-    if nonfinite_grads not in ("skip", "raise"):
-        raise ValueError(f"invalid nonfinite_grads: {nonfinite_grads!r}; expected 'skip' or 'raise'")
-    if divergence not in ("warn", "raise"):
-        raise ValueError(f"invalid divergence: {divergence!r}; expected 'warn' or 'raise'")
+    check_choice("nonfinite_grads", nonfinite_grads, ("skip", "raise"))
+    check_choice("divergence", divergence, ("warn", "raise"))
     if scale_block_size is not None and (isinstance(scale_block_size, bool) or not isinstance(scale_block_size, int)
                                          or scale_block_size < 1):
         raise ValueError(
@@ -113,13 +111,30 @@ TORCH_FLAGS = {
 }
 
 
-def refuse_unknown(owner: str, options: Mapping[str, Any]) -> None:
-    """Raise TypeError for keyword arguments no onebit optimizer takes: torch.optim's flags with
-    the reason, anything else as unexpected."""
+# Keys every DeepSpeed 1-bit optimizer accepted and ignored; onebit refuses them, with the reason
+# (each optimizer class lists its own in DEEPSPEED_REFUSED).
+DEEPSPEED_COMMON_REFUSED = {
+    "max_grad_norm": "clip gradients in the training loop (torch.nn.utils.clip_grad_norm_) before step()",
+    "eps_inside_sqrt": "eps is always added outside the square root (DeepSpeed's behaviour)",
+    "amsgrad": "AMSGrad is not implemented",
+}
+
+
+def refuse_unknown(owner: str, options: Mapping[str, Any], refused: Mapping[str, str] | None = None) -> None:
+    """Raise TypeError for keyword arguments the optimizer does not take: those in ``refused``
+    (DeepSpeed's accepted-and-ignored keys, other optimizers' settings) and torch.optim's flags
+    with the reason, anything else as unexpected."""
+    refuse(owner, options, refused or {})
     for key, value in options.items():
         if key in TORCH_FLAGS:
             raise TypeError(f"{owner} does not take torch.optim's {key}={value!r}: {TORCH_FLAGS[key]}; remove it")
         raise TypeError(f"{owner} got an unexpected keyword argument {key!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...], prefix: str = "invalid") -> None:
+    """``value`` is one of ``choices`` (ValueError naming them otherwise)."""
+    if value not in choices:
+        raise ValueError(f"{prefix} {name}: {value!r}; expected one of {', '.join(map(repr, choices))}")
 
 
 # What the 1-bit all-reduce averages: DeepSpeed's quantities ("momentum": the momentum, 0/1 Adam's
@@ -129,6 +144,7 @@ COMPRESSION_SPACES = ("momentum", "preconditioned")
 
 
 def check_compression_space(value: Any, saved: bool = False) -> None:
-    if value not in COMPRESSION_SPACES:
-        prefix = "compression_space in the checkpoint" if saved else "invalid compression_space"
-        raise ValueError(f"{prefix}: {value!r}; expected one of {', '.join(map(repr, COMPRESSION_SPACES))}")
+    if saved:
+        check_choice("in the checkpoint", value, COMPRESSION_SPACES, prefix="compression_space")
+    else:
+        check_choice("compression_space", value, COMPRESSION_SPACES)

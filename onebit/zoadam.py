@@ -13,7 +13,7 @@ from .adam import adam_step_, descend_
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
-from .validation import check_compression_space, check_flag, check_int, refuse
+from .validation import DEEPSPEED_COMMON_REFUSED, check_compression_space, check_flag, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +24,6 @@ VARIANCE = StepPlan("variance", average_gradients=True)
 COMPRESSED_GRADIENT = StepPlan("compressed_gradient", compress=True)
 LOCAL = StepPlan("local")
 SYNC = StepPlan("sync", compress=True)
-
-# Keys DeepSpeed's ZeroOneAdam accepted and ignored (or failed on); onebit refuses them, with the reason.
-DEEPSPEED_IGNORED = {
-    "max_grad_norm": "clip gradients in the training loop (torch.nn.utils.clip_grad_norm_) before step()",
-    "eps_inside_sqrt": "eps is always added outside the square root (DeepSpeed's behaviour)",
-    "amsgrad": "AMSGrad is not implemented",
-    "freeze_step": "0/1 Adam has no full-precision warmup; var_freeze_step is the length of its first phase",
-}
 
 
 def is_variance_step(step: int, var_update_scaler: int) -> bool:
@@ -149,6 +141,10 @@ class ZeroOneAdam(OnebitOptimizer):
     _AVERAGE_UNCOMPRESSED_ALWAYS: ClassVar[bool] = True
     _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ("lr_sum",)  # a sync divides by it: the same on every rank
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+    CONFIG_TYPE: ClassVar[str] = "ZeroOneAdam"
+    DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
+    NOT_SETTINGS: ClassVar[Mapping[str, str]] = {
+        "freeze_step": "0/1 Adam has no full-precision warmup; var_freeze_step is the length of its first phase"}
     _SCHEDULE: ClassVar[tuple[str, ...]] = ("var_freeze_step", "var_update_scaler", "local_step_scaler",
                                             "local_step_clipper")
 
@@ -168,7 +164,6 @@ class ZeroOneAdam(OnebitOptimizer):
         compression_space: str = "momentum",
         **options: Any,
     ) -> None:
-        refuse("ZeroOneAdam", options, DEEPSPEED_IGNORED)
         check_compression_space(compression_space)
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,

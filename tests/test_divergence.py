@@ -135,7 +135,7 @@ def test_errors_out_of_proportion_raise_with_divergence_raise(lossy_kernels):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(divergence="loud"), r"invalid divergence: 'loud'; expected 'warn' or 'raise'"),
+        (dict(divergence="loud"), r"invalid divergence: 'loud'; expected one of 'warn', 'raise'"),
         (dict(scale_block_size=0), r"invalid scale_block_size: 0; it must be a positive int"),
         (dict(scale_block_size=True), r"invalid scale_block_size: True"),
         (dict(scale_block_size=2.5), r"invalid scale_block_size: 2.5"),

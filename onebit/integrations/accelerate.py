@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..engine import optimizer_names
 from .ddp import attach_ddp, unwrap_optimizer
 
 __all__ = ["attach_accelerate"]
@@ -42,7 +43,7 @@ def attach_accelerate(model: Any, optimizer: Any) -> None:
     if onebit_optimizer is None:
         raise TypeError(
             f"attach_accelerate needs the optimizer accelerator.prepare returned for a onebit optimizer "
-            f"(OnebitAdam, OnebitLamb, ZeroOneAdam), got {type(optimizer).__name__}"
+            f"({optimizer_names()}), got {type(optimizer).__name__}"
         )
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         attach_ddp(model, onebit_optimizer)

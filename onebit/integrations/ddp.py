@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine import OnebitOptimizer
+from ..engine import OnebitOptimizer, optimizer_names
 
 __all__ = ["attach_ddp", "follow_plan", "onebit_ddp_hook", "unwrap_optimizer"]
 
@@ -77,7 +77,7 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"attach_ddp needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     if not isinstance(optimizer, OnebitOptimizer):
-        raise TypeError(f"attach_ddp needs a onebit optimizer (OnebitAdam, OnebitLamb), got {type(optimizer).__name__}")
+        raise TypeError(f"attach_ddp needs a onebit optimizer ({optimizer_names()}), got {type(optimizer).__name__}")
     group = getattr(ddp_model, "process_group", None)
     state = _HookState(optimizer, group)
     if state.world_size != optimizer.backend.world_size:

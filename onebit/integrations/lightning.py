@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine import OnebitOptimizer
+from ..engine import OnebitOptimizer, optimizer_names
 from .ddp import attach_ddp
 
 try:
@@ -66,13 +66,13 @@ def _onebit_optimizer(optimizers: list[Any]) -> OnebitOptimizer:
         names = ", ".join(type(o).__name__ for o in unwrapped) or "none"
         raise ValueError(
             f"OnebitCallback needs exactly one optimizer from configure_optimizers, got {len(unwrapped)} ({names}); "
-            "return a single OnebitAdam, OnebitLamb or ZeroOneAdam over all the parameters"
+            f"return a single {optimizer_names()} over all the parameters"
         )
     optimizer = unwrapped[0]
     if not isinstance(optimizer, OnebitOptimizer):
         raise ValueError(
             f"OnebitCallback needs a onebit optimizer, but configure_optimizers returned {type(optimizer).__name__}; "
-            "return OnebitAdam(self.parameters(), ...) (or OnebitLamb, ZeroOneAdam), or drop the callback"
+            f"return OnebitAdam(self.parameters(), ...) (or another of {optimizer_names()}), or drop the callback"
         )
     return optimizer
 
