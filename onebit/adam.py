@@ -31,7 +31,10 @@ class OnebitAdam(FrozenVarianceOptimizer):
         params: parameters or param groups. A group may set its own ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bias_correction``, and ``compress=False`` to keep its momentum
             out of compression (full-precision gradient all-reduce and plain Adam in both phases).
-        lr, betas, eps, weight_decay: as in Adam (``weight_decay`` is decoupled).
+        lr: the learning rate, as in Adam.
+        betas: ``(beta1, beta2)``, as in Adam.
+        eps: added to the denominator, as in Adam.
+        weight_decay: decoupled weight decay, as in AdamW.
         freeze_step: number of warmup steps (>= 1). The paper uses 15-25% of training. ``"auto"``:
             freeze once the frozen denominator has settled (:mod:`onebit.autofreeze`), checked every
             10 steps from the data, without communication; the step it chose is logged and saved.

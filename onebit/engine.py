@@ -102,7 +102,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             ``overlap_backward``.
         hierarchy_variant: ``'compressed'`` (default: 1-bit inside nodes too, three error
             feedbacks) or ``'node_mean'`` (an exact float32 mean inside each node, 1-bit between
-            nodes only); see :mod:`onebit.hierarchy` and the README for when each wins.
+            nodes only); see :mod:`onebit.hierarchy` and ``docs/guides/hierarchy.md`` for when each wins.
         overlap_backward: ``False`` (default): every step communicates inside ``step()``.
             ``True``: each bucket's communication starts during backward, as soon as its
             gradients are there (gradient hooks, buckets started in reverse order, as DDP does):

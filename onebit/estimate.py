@@ -473,14 +473,17 @@ def estimate_two_level(
 
     Args:
         num_params: float32 elements averaged per step (one bucket; no pipelining across buckets).
-        nodes, ranks_per_node: ``P`` and ``L``.
+        nodes: ``P``, the number of nodes.
+        ranks_per_node: ``L``, ranks on each node.
         inter_node_gbps: a node's link to the other nodes, Gbit/s each direction (all its NICs).
         intra_node_gbps: one rank's payload rate to the ranks of its node, Gbit/s each direction
             (NVLink, PCIe, or in an emulation the loopback).
         compute_s: forward + backward seconds per step.
-        codec_gbps, adam_step_s, onebit_step_s: as in :func:`estimate_speedup` (measured here
-            when None and needed); the codec of each 1-bit scheme is the flat codec times its
-            passes over the buffer (compressed ``1 + 1/(3L)``, node_mean ``(2 + 2/L)/3``).
+        codec_gbps: as in :func:`estimate_speedup` (measured here when None and needed); the
+            codec of each 1-bit scheme is the flat codec times its passes over the buffer
+            (compressed ``1 + 1/(3L)``, node_mean ``(2 + 2/L)/3``).
+        adam_step_s: as in :func:`estimate_speedup` (measured here when None and needed).
+        onebit_step_s: as in :func:`estimate_speedup` (measured here when None and needed).
         local_s: seconds per step of each scheme apart from compute and communication (for fp32
             the Adam step; for 1-bit schemes maths and codec), overriding the modelled ones,
             e.g. measured in a run; schemes it leaves out are modelled.

@@ -62,14 +62,19 @@ class OnebitLamb(FrozenVarianceOptimizer):
         params: parameters or param groups. A group may set its own ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``max_coeff``, ``min_coeff``, and ``compress=False`` (full-precision
             gradient average and LAMB in both phases).
-        lr, betas, eps, weight_decay: as in LAMB (``weight_decay`` is decoupled, inside ``u``).
+        lr: the learning rate, as in LAMB.
+        betas: ``(beta1, beta2)``, as in LAMB.
+        eps: added to the denominator, as in LAMB.
+        weight_decay: decoupled weight decay, inside ``u`` as in LAMB.
         freeze_step: number of warmup steps (>= 1); the paper's BERT runs use about 15-25% of
             training.
             ``"auto"`` (and ``freeze_bounds``): as for :class:`onebit.OnebitAdam`.
-        max_coeff, min_coeff: bounds of the warmup trust ratio.
+        max_coeff: upper bound of the warmup trust ratio.
+        min_coeff: lower bound of the warmup trust ratio.
         coeff_beta: the averaging factor of the warmup trust ratios.
-        factor_max, factor_min, factor_threshold: bounds of ``f``, and its largest relative
-            change per step.
+        factor_max: upper bound of ``f``.
+        factor_min: lower bound of ``f``.
+        factor_threshold: the largest relative change of ``f`` per step.
         compression_space: ``"momentum"`` (default, DeepSpeed's numerics) or
             ``"preconditioned"``: as for :class:`onebit.OnebitAdam`.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,

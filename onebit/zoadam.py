@@ -117,7 +117,10 @@ class ZeroOneAdam(OnebitOptimizer):
         params: parameters or param groups. A group may set its own ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bias_correction``, and ``compress=False``: plain Adam on gradients averaged in full
             precision on every step (its local steps then communicate that group's gradients).
-        lr, betas, eps, weight_decay: as in Adam (decoupled weight decay, no bias correction).
+        lr: the learning rate, as in Adam.
+        betas: ``(beta1, beta2)``, as in Adam.
+        eps: added to the denominator, as in Adam.
+        weight_decay: decoupled weight decay (no bias correction unless ``bias_correction``).
         var_freeze_step: the number of phase-1 steps (>= 1).
         var_update_scaler: variance updates per interval before the interval doubles (>= 1).
         local_step_scaler: phase-2 steps per sync interval before it doubles (>= 1).
