@@ -41,6 +41,8 @@ CASES = {
     "lamb": ("--optimizer", "lamb"),
     "zoadam_accumulate": ("--optimizer", "zoadam", "--accumulate", "2"),
     "adam_accumulate_bf16": ("--optimizer", "adam", "--accumulate", "2", "--mixed-precision", "bf16"),
+    # overlap_backward: accelerate's no_sync() on the first micro-batch is the optimizer's too (attach_ddp)
+    "adam_accumulate_overlap": ("--optimizer", "adam", "--accumulate", "2", "--overlap"),
 }
 
 
@@ -60,6 +62,7 @@ def test_accelerate_averages_once_and_tracks_the_plain_loop(tmp_path, case):
             # The last one: every gradient averaged exactly once when the plan averages gradients,
             # nothing otherwise (the optimizer sends the 1-bit momentum or gradient itself).
             assert boundary[1] == (PARAMS if plan in averaged else 0), (plan, boundary)
+        assert not rank["redone"]
         stats = rank["stats"]
         first = "warmup" if "warmup" in stats else "variance"
         assert stats[first]["steps"] == plans.count(first)

@@ -40,14 +40,14 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
 
 
-def make_optimizer(name: str, model: torch.nn.Module, freeze_step: int):
+def make_optimizer(name: str, model: torch.nn.Module, freeze_step: int, overlap: bool = False):
     if name == "adam":
-        return OnebitAdam(model.parameters(), lr=1e-2, freeze_step=freeze_step)
+        return OnebitAdam(model.parameters(), lr=1e-2, freeze_step=freeze_step, overlap_backward=overlap)
     if name == "lamb":
-        return OnebitLamb(model.parameters(), lr=1e-2, freeze_step=freeze_step)
+        return OnebitLamb(model.parameters(), lr=1e-2, freeze_step=freeze_step, overlap_backward=overlap)
     # 0/1 Adam: variance refreshed on steps 0, 1, 3, then 1-bit gradients, local steps and syncs.
     return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=freeze_step, var_update_scaler=1,
-                       local_step_scaler=2, local_step_clipper=2)
+                       local_step_scaler=2, local_step_clipper=2, overlap_backward=overlap)
 
 
 def batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +82,7 @@ def train_accelerate(args, rank: int, counter: GradientCollectives) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.accumulate,
                               mixed_precision=args.mixed_precision)
     model = make_model()
-    optimizer = make_optimizer(args.optimizer, model, args.freeze_step)
+    optimizer = make_optimizer(args.optimizer, model, args.freeze_step, args.overlap)
     model, optimizer = accelerator.prepare(model, optimizer)
     attach_accelerate(model, optimizer)
     plans, collectives, trajectory = [], [], []
@@ -100,14 +100,16 @@ def train_accelerate(args, rank: int, counter: GradientCollectives) -> dict:
                 optimizer.zero_grad()
         collectives.append(per_micro_batch)
         trajectory.append([p.detach().clone() for p in accelerator.unwrap_model(model).parameters()])
-    return {"plans": plans, "collectives": collectives, "trajectory": trajectory,
-            "stats": optimizer.optimizer.comm_stats()}
+    onebit_optimizer = optimizer.optimizer
+    return {"plans": plans, "collectives": collectives, "trajectory": trajectory, "stats": onebit_optimizer.comm_stats(),
+            # overlap: whether a step had to redo what a backward started (accelerate's no_sync should prevent it)
+            "redone": onebit_optimizer.overlap_backward and onebit_optimizer._overlap._told}
 
 
 def train_plain(args, rank: int) -> list:
     """The oracle: the same optimizer on the same batches, without accelerate or DDP."""
     model = make_model()
-    optimizer = make_optimizer(args.optimizer, model, args.freeze_step)
+    optimizer = make_optimizer(args.optimizer, model, args.freeze_step, args.overlap)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.mixed_precision == "bf16")
     trajectory = []
     for step in range(1, args.steps + 1):
@@ -129,6 +131,7 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["adam", "lamb", "zoadam"], default="adam")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
+    parser.add_argument("--overlap", action="store_true", help="overlap_backward=True: communicate during backward")
     parser.add_argument("--reference", action="store_true", help="also run the plain-loop optimizer (the oracle)")
     parser.add_argument("--result", default=None, help="write each rank's results to RESULT.rank<r>.pt")
     args = parser.parse_args()
