@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .validation import is_int
+
 __all__ = ["AutoFreeze", "WINDOW", "MIN_STEPS", "GROWTH_TO_FREEZE", "CHANGE_TO_FREEZE", "WOKEN_TO_FREEZE"]
 
 WINDOW = 10  # steps between checks
@@ -84,7 +86,7 @@ class AutoFreeze:
         auto = cls(saved.get("min_steps"), saved.get("max_steps"))
         check_bounds(auto.min_steps, auto.max_steps)
         checked = saved.get("checked", 0)
-        if isinstance(checked, bool) or not isinstance(checked, int) or checked < 0:
+        if not is_int(checked, 0):
             raise ValueError(f"auto_freeze.checked must be an int >= 0, got {checked!r}")
         auto.checked = checked
         previous = saved.get("previous")
@@ -98,9 +100,9 @@ class AutoFreeze:
 
 def check_bounds(min_steps: Any, max_steps: Any) -> None:
     """``1 <= min_steps`` (int), ``max_steps`` None or an int ``>= min_steps``."""
-    if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
+    if not is_int(min_steps, 1):
         raise ValueError(f"the earliest automatic freeze must be an int >= 1, got {min_steps!r}")
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < min_steps):
+    if max_steps is not None and not is_int(max_steps, min_steps):
         raise ValueError(f"the latest automatic freeze must be None or an int >= the earliest ({min_steps}), "
                          f"got {max_steps!r}")
 

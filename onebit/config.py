@@ -36,6 +36,7 @@ import torch
 from . import adam, lamb, zoadam  # noqa: F401  (they register their CONFIG_TYPE)
 from .backends import CommBackend
 from .engine import OnebitOptimizer
+from .validation import is_int, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,7 @@ _SECTION = "optimizer"
 _YAML_SUFFIXES = (".yaml", ".yml")
 
 
-def _real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_real, _integer = is_real, is_int
 
 
 def _pair(value: Any) -> bool:

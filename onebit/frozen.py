@@ -14,7 +14,7 @@ from . import autofreeze
 from .autofreeze import AutoFreeze
 from .buckets import Bucket
 from .engine import OnebitOptimizer, StepPlan
-from .validation import check_compression_space, check_int
+from .validation import check_compression_space, check_int, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         auto = AutoFreeze.from_state(meta["auto_freeze"]) if "auto_freeze" in meta else None
         if freeze_step == "auto" and auto is not None:
             freeze_step = None
-        elif isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        elif not is_int(freeze_step, 1):
             raise ValueError(f"freeze_step must be an int >= 1 (or 'auto' with its auto_freeze state), got {freeze_step!r}")
         space = meta.get("compression_space", "momentum")
         check_compression_space(space, saved=True)

@@ -42,7 +42,7 @@ import torch
 from .backends.base import COMPLETED, CommBackend, Pending
 from .compression import chunk_bytes, read_scales, row_bytes, write_scale_
 from .kernels import KernelSet
-from .validation import check_choice
+from .validation import check_choice, is_int
 
 __all__ = ["VARIANTS", "Topology", "TwoLevelState", "check_hierarchy", "build_topology", "node_groups"]
 
@@ -54,8 +54,7 @@ VARIANTS = ("compressed", "node_mean")
 
 def check_hierarchy(hierarchy: Any, variant: Any) -> None:
     """Validate the ``hierarchy`` and ``hierarchy_variant`` arguments (no side effects)."""
-    if hierarchy is not None and hierarchy != "host" and (
-            isinstance(hierarchy, bool) or not isinstance(hierarchy, int) or hierarchy < 1):
+    if hierarchy is not None and hierarchy != "host" and not is_int(hierarchy, 1):
         raise ValueError(
             f"invalid hierarchy: {hierarchy!r}; expected None (flat), 'host' (ranks grouped by host name) "
             "or a positive int L (consecutive groups of L ranks)"

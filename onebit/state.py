@@ -37,6 +37,7 @@ import torch
 
 from .buckets import layout_digest
 from .shards import is_dtensor, like_param, local, local_value
+from .validation import is_int
 
 if TYPE_CHECKING:
     from .engine import OnebitOptimizer
@@ -91,7 +92,7 @@ def _fail(message: str) -> None:
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value, low):
         _fail(f"{name} must be an int >= {low}, got {value!r}")
     return value
 

@@ -11,22 +11,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
+__all__ = ["is_int", "is_real", "check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
            "check_engine_options", "refuse", "refuse_unknown", "TORCH_FLAGS", "DEEPSPEED_COMMON_REFUSED",
            "COMPRESSION_SPACES", "check_compression_space"]
 
 
 def check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
     """A finite real number in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_real(value):
         raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
     if not math.isfinite(value) or value < low or (high is not None and (value >= high if high_open else value > high)):
         bound = f"in [{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
         raise ValueError(f"invalid {name}: {value!r}; it must be finite and {bound}")
 
 
+def is_int(value: Any, low: int | None = None) -> bool:
+    """Whether ``value`` is an int (not a bool), and ``>= low`` if given: the one definition every
+    integer check of onebit uses (with its own message)."""
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+
+
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (int or float, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_int(name: str, value: Any, low: int, why: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
     if value < low:
         raise ValueError(f"invalid {name}: {value}; it must be >= {low}{why}")
@@ -79,12 +90,11 @@ def check_common_group(group: Mapping[str, Any], owner: str) -> None:
 def check_engine_options(bucket_size: Any, nonfinite_grads: Any, divergence: Any, scale_block_size: Any,
                          cuda_aware: Any) -> None:
     """The keyword-only options of :class:`onebit.engine.OnebitOptimizer` that are plain values."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+    if not is_int(bucket_size, 1):
         raise ValueError(f"invalid bucket_size: {bucket_size!r}; it must be a positive int (elements)")
     check_choice("nonfinite_grads", nonfinite_grads, ("skip", "raise"))
     check_choice("divergence", divergence, ("warn", "raise"))
-    if scale_block_size is not None and (isinstance(scale_block_size, bool) or not isinstance(scale_block_size, int)
-                                         or scale_block_size < 1):
+    if scale_block_size is not None and not is_int(scale_block_size, 1):
         raise ValueError(
             f"invalid scale_block_size: {scale_block_size!r}; it must be a positive int (elements per scale), "
             "or None for one scale per tensor"
