@@ -55,3 +55,16 @@ class LogMessages(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def short_schedules() -> dict:
+    """Per optimizer class, a schedule that runs every plan within 12 steps: 1-bit Adam and 1-bit
+    LAMB freeze after step 3; 0/1 Adam has variance steps 1, 2 and 4, compressed-gradient steps 3
+    and 5, then local steps and syncs (interval 2)."""
+    from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+    return {
+        OnebitAdam: dict(freeze_step=3),
+        OnebitLamb: dict(freeze_step=3),
+        ZeroOneAdam: dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
+    }

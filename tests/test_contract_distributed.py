@@ -13,18 +13,13 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import LogMessages, clone_params
+from conftest import LogMessages, clone_params, short_schedules
 from distributed import run_ranks
-from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from onebit.integrations import attach_ddp
 
 pytestmark = pytest.mark.slow
 
-SCHEDULES = {
-    OnebitAdam: dict(freeze_step=3),
-    OnebitLamb: dict(freeze_step=3),
-    ZeroOneAdam: dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
-}
+SCHEDULES = short_schedules()
 STEPS = 12
 
 

@@ -14,18 +14,14 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import LogMessages
+from conftest import LogMessages, short_schedules
 from distributed import run_ranks
-from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from onebit import OnebitLamb
 from onebit.integrations import attach_ddp
 
 pytestmark = pytest.mark.slow
 
-SCHEDULES = {
-    OnebitAdam: dict(freeze_step=3),
-    OnebitLamb: dict(freeze_step=3),
-    ZeroOneAdam: dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
-}
+SCHEDULES = short_schedules()
 STEPS = 12
 NAN_STEPS = (2, 5, 9)  # a warmup (variance) step, a compressed one, and one of 0/1 Adam's phase 2
 SCENARIOS = ("plain", "nan", "no_sync", "accumulate", "clip", "unused", "absent", "zero_grad", "preconditioned", "ddp")
