@@ -72,7 +72,11 @@ ZOADAM_PARTS = {
 }
 ZOADAM_CONFIGS = tuple(ZOADAM_PARTS)
 DEFAULT_CONFIGS += ZOADAM_CONFIGS
-OVERLAP_CONFIGS = ("onebit_warmup_overlap", "onebit_compression_overlap")
+# The same with overlap_backward=True (phase 2 starts nothing during backward: not repeated).
+for _name in ("zoadam_phase1", "zoadam_compressed_gradient"):
+    ZOADAM_PARTS[_name + "_overlap"] = tuple((part + "_overlap", kind, before) for part, kind, before in ZOADAM_PARTS[_name])
+OVERLAP_CONFIGS = ("onebit_warmup_overlap", "onebit_compression_overlap", "zoadam_phase1_overlap",
+                   "zoadam_compressed_gradient_overlap")
 ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS + OVERLAP_CONFIGS
 COUNTER_FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
 
@@ -130,6 +134,7 @@ def zoadam_schedule(name: str, repeats: int) -> dict[str, int]:
     * phase2: ``var_freeze_step`` 1, sync interval 2 from step 3 on: local and sync alternate.
     """
     never = 10**9
+    name = name.removesuffix("_overlap")
     return {
         "zoadam_phase1": dict(var_freeze_step=never, var_update_scaler=max(1, repeats)),
         "zoadam_compressed_gradient": dict(var_freeze_step=never, var_update_scaler=1),
@@ -169,7 +174,7 @@ class Config:
                 self.optimizer.register_timer(TIMERS)
         elif name in ZOADAM_PARTS:
             self.optimizer = ZeroOneAdam(self.model.parameters(), lr=1e-5, comm_backend_name="gloo",
-                                         kernels=args.kernels,
+                                         kernels=args.kernels, overlap_backward=name.endswith("_overlap"), **buckets,
                                          **zoadam_schedule(name, args.warmup_steps + args.rounds))
         else:
             raise ValueError(f"unknown configuration {name!r}; expected one of {', '.join(ALL_CONFIGS)}")

@@ -45,6 +45,14 @@ OPTIMIZERS = {
         "local": "zoadam_local",
         "sync": "zoadam_sync",
     }),
+    # (local steps and syncs start nothing during backward: their rows are the same optimizer's)
+    "zoadam_overlap": ("ZeroOneAdam, overlap_backward", {
+        "variance": "zoadam_variance_overlap",
+        "compressed_gradient_after_variance": "zoadam_compressed_gradient_after_variance_overlap",
+        "compressed_gradient": "zoadam_compressed_gradient_overlap",
+        "local": "zoadam_local",
+        "sync": "zoadam_sync",
+    }),
 }
 
 
@@ -93,6 +101,7 @@ def schedule_counts(schedule: dict[str, int]) -> dict:
         "onebit": {kind: ob.get(kind, 0) for kind in OPTIMIZERS["onebit"][1]},
         "onebit_overlap": {kind: ob.get(kind, 0) for kind in OPTIMIZERS["onebit"][1]},
         "zoadam": {kind: zo.get(kind, 0) for kind in OPTIMIZERS["zoadam"][1]},
+        "zoadam_overlap": {kind: zo.get(kind, 0) for kind in OPTIMIZERS["zoadam"][1]},
         "zoadam_sync_after_variance": sync_after_variance,
     }
 

@@ -43,7 +43,7 @@ from onebit.estimate import TCP_ETHERNET_EFFICIENCY, estimate_speedup, measure_l
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402
 import run_average  # noqa: E402
-from peers import ZOADAM_PARTS, make_model as peers_model  # noqa: E402
+from peers import ZOADAM_CONFIGS, ZOADAM_PARTS, make_model as peers_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers.py"
@@ -65,6 +65,9 @@ LABELS = {
     "zoadam_compressed_gradient_after_variance": "ZeroOneAdam compressed_gradient after variance",
     "zoadam_local": "ZeroOneAdam local",
     "zoadam_sync": "ZeroOneAdam sync",
+    "zoadam_variance_overlap": "ZeroOneAdam variance, overlap_backward",
+    "zoadam_compressed_gradient_overlap": "ZeroOneAdam compressed_gradient, overlap_backward",
+    "zoadam_compressed_gradient_after_variance_overlap": "ZeroOneAdam compressed_gradient after variance, overlap_backward",
 }
 
 
@@ -457,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     configs = [name for name in LABELS if not name.startswith("zoadam")] + list(ZOADAM_PARTS)
     parser.add_argument("--configs", default=None, help="comma-separated, from: " + ", ".join(configs)
-                        + "; 'zoadam' stands for " + ",".join(ZOADAM_PARTS))
+                        + "; 'zoadam' stands for " + ",".join(ZOADAM_CONFIGS))
     parser.add_argument("--bucket-size", type=int, default=None,
                         help="elements per bucket of the onebit configurations (default: the optimizers' own)")
     parser.add_argument("--mtu", type=int, default=1500)
