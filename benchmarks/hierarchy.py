@@ -423,10 +423,11 @@ def code_version() -> dict:
     return {"commit": git("rev-parse", "--short", "HEAD").strip(), "onebit_changed_files": changed}
 
 
-def two_node_parser(doc: str, *, choices_flag: str, choices: list[str], params_label: str, timeouts: tuple[int, int],
-                    stem: str) -> argparse.ArgumentParser:
-    """The command line every two-node benchmark shares (this one and ``hsdp.py``); ``choices_flag``
-    names what it compares (``--schemes``, ``--configs``)."""
+def parse_two_node_args(argv: list[str] | None, doc: str, *, choices_flag: str, choices: list[str], what: str,
+                        params: float, params_label: str, timeouts: tuple[int, int], stem: str) -> argparse.Namespace:
+    """The command line every two-node benchmark shares (this one and ``hsdp.py``), parsed, with the
+    size defaults filled in (``--quick``: a small model, 2 rounds) and ``--<choices_flag>`` (what it
+    compares: ``--schemes``, ``--configs``) checked against ``choices`` (``what``: their name, plural)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model, 2 rounds, 1 Gbit/s: a smoke test")
     parser.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")], default=None,
@@ -445,15 +446,15 @@ def two_node_parser(doc: str, *, choices_flag: str, choices: list[str], params_l
     parser.add_argument("--name", default=None, help=f"output stem (default {stem}_2x2; --quick: {stem}_quick)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
-    return parser
-
-
-def two_node_defaults(args: argparse.Namespace, params: float, timeouts: tuple[int, int]) -> None:
-    """Fill in the size defaults (``--quick``: a small model, 2 rounds)."""
+    args = parser.parse_args(argv)
     args.params = args.params or (2.6e5 if args.quick else params)
     args.width = args.width or (256 if args.quick else 1024)
     args.rounds = args.rounds or (2 if args.quick else 11)
     args.timeout_s = args.timeout_s or (timeouts[0] if args.quick else timeouts[1])
+    bad = [c for c in getattr(args, choices_flag) if c not in choices]
+    if bad:
+        parser.error(f"unknown {what} {', '.join(bad)}; expected some of {', '.join(choices)}")
+    return args
 
 
 def run_two_node(args: argparse.Namespace, argv: list[str] | None, stem: str, launch, summarize, targets, markdown,
@@ -491,13 +492,8 @@ def run_two_node(args: argparse.Namespace, argv: list[str] | None, stem: str, la
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = two_node_parser(__doc__, choices_flag="schemes", choices=list(SCHEMES), params_label="8.4M",
-                             timeouts=(90, 400), stem="hierarchy")
-    args = parser.parse_args(argv)
-    two_node_defaults(args, 8.4e6, (90, 400))
-    bad = [s for s in args.schemes if s not in SCHEMES]
-    if bad:
-        parser.error(f"unknown scheme(s) {', '.join(bad)}; expected some of {', '.join(SCHEMES)}")
+    args = parse_two_node_args(argv, __doc__, choices_flag="schemes", choices=list(SCHEMES), what="scheme(s)",
+                               params=8.4e6, params_label="8.4M", timeouts=(90, 400), stem="hierarchy")
     if args.worker:
         worker(args)
         return 0

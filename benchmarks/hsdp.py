@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from hierarchy import (_counters, _delta, _mb, _median, _ms, launch_workers,  # noqa: E402
-                       run_two_node, timing_medians, two_node_defaults, two_node_parser, veth_medians)
+                       parse_two_node_args, run_two_node, timing_medians, veth_medians)
 from peers import make_model  # noqa: E402
 
 CONFIGS = ("hsdp_adamw", "hsdp_onebit", "ddp_onebit")
@@ -346,13 +346,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = two_node_parser(__doc__, choices_flag="configs", choices=list(CONFIGS), params_label="4.2M",
-                             timeouts=(100, 300), stem="hsdp")
-    args = parser.parse_args(argv)
-    two_node_defaults(args, 4.2e6, (100, 300))
-    bad = [c for c in args.configs if c not in CONFIGS]
-    if bad:
-        parser.error(f"unknown configuration(s) {', '.join(bad)}; expected some of {', '.join(CONFIGS)}")
+    args = parse_two_node_args(argv, __doc__, choices_flag="configs", choices=list(CONFIGS), what="configuration(s)",
+                               params=4.2e6, params_label="4.2M", timeouts=(100, 300), stem="hsdp")
     if args.worker:
         worker(args)
         return 0

@@ -244,23 +244,27 @@ def test_slowlink_nodes_of_several_ranks_share_a_namespace():
             netns.SlowLink(4, 1.0, ranks_per_node=bad)
 
 
+def _run_two_node_quick(script: str, out: Path) -> None:
+    """``benchmarks/<script> --quick --out-dir out`` (skipped without network namespaces): it must
+    finish in time, succeed and leave no namespace behind."""
+    reason = _bench_module("netns").unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    before = _netns_names()
+    try:
+        proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out-dir", str(out)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} --quick did not finish in {exc.timeout} s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _netns_names() == before, "namespaces left behind"
+
+
 @pytest.fixture(scope="module")
 def hierarchy_quick(tmp_path_factory) -> dict:
     """``benchmarks/hierarchy.py --quick``: 2 nodes x 2 ranks in two namespaces, 1 Gbit/s between them."""
-    netns = _bench_module("netns")
-    reason = netns.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-
-    before = _netns_names()
     out = tmp_path_factory.mktemp("hierarchy")
-    try:
-        proc = subprocess.run([sys.executable, str(BENCH / "hierarchy.py"), "--quick", "--out-dir", str(out)],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"hierarchy.py --quick did not finish in {exc.timeout} s")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert _netns_names() == before, "namespaces left behind"
+    _run_two_node_quick("hierarchy.py", out)
     markdown = (out / "hierarchy_quick.md").read_text()
     assert markdown.startswith("# Two-level 1-bit all-reduce: 2 nodes x 2 ranks")
     return {**json.loads((out / "hierarchy_quick.json").read_text()), "markdown": markdown}
@@ -307,19 +311,7 @@ def test_hierarchy_quick_two_level_sends_fewer_bytes_between_nodes(hierarchy_qui
 @pytest.mark.timeout(150)
 def test_hsdp_quick_onebit_sends_a_fraction_of_hsdp_adamw_bytes_and_keeps_half_the_state(tmp_path):
     """``benchmarks/hsdp.py --quick``: the 2 x 2 HSDP layout on two emulated nodes at 1 Gbit/s."""
-    netns = _bench_module("netns")
-    reason = netns.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-
-    before = _netns_names()
-    try:
-        proc = subprocess.run([sys.executable, str(BENCH / "hsdp.py"), "--quick", "--out-dir", str(tmp_path)],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"hsdp.py --quick did not finish in {exc.timeout} s")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert _netns_names() == before, "namespaces left behind"
+    _run_two_node_quick("hsdp.py", tmp_path)
     assert (tmp_path / "hsdp_quick.md").read_text().startswith("# HSDP recipe: 2 nodes x 2 ranks")
     (run,) = json.loads((tmp_path / "hsdp_quick.json").read_text())["runs"]
     assert run["rate_gbit"] == 1.0 and run["nodes"] == 2 and run["ranks_per_node"] == 2
