@@ -138,7 +138,7 @@ class Overlap:
         r = self.round
         if r is None:
             plan = opt.plan_for(opt._step + 1)
-            if not opt._starts_early(plan) or getattr(opt, "grad_scale", None) is not None:
+            if not opt._starts_early(plan):
                 return
             r = self.round = self._new_round(plan, opt._step + 1, begin=True)
         if r.repeated:

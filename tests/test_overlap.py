@@ -8,6 +8,7 @@ scenario for every optimizer (process start-up is most of a distributed test's t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -66,7 +67,7 @@ def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torc
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
         if scenario in ("no_sync", "accumulate", "ddp"):
-            with opt.no_sync() if scenario == "no_sync" else net.no_sync() if scenario == "ddp" else _nothing():
+            with opt.no_sync() if scenario == "no_sync" else net.no_sync() if scenario == "ddp" else contextlib.nullcontext():
                 _backward(net, rank, t, micro=1)
             _backward(net, rank, t, micro=2)
         elif scenario == "zero_grad" and t % 4 == 0:  # a backward whose step never comes
@@ -90,14 +91,6 @@ def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torc
     return trajectory, {"started": started, "sent": sent, "steps": {k: stats[k]["steps"] for k in opt.PLAN_NAMES},
                         "skipped": sum(stats[k]["skipped_steps"] for k in opt.PLAN_NAMES),
                         "buckets": opt.num_buckets}
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict:
