@@ -57,7 +57,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, store: str, out: str)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     model = make_model(args.params, args.width)
-    opt = OnebitAdam(model.parameters(), lr=1e-5, freeze_step=2, comm_backend_name="gloo", kernels=args.kernels)
+    opt = OnebitAdam(model.parameters(), lr=1e-5, freeze_step=2, comm_backend_name="gloo", kernels=args.kernels,
+                     compression_space=args.compression_space)
     x = torch.randn(args.batch, args.width)
 
     def step() -> None:
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--compression-space", default="momentum", choices=("momentum", "preconditioned"))
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,7 +110,7 @@ def main() -> None:
         mp.start_processes(_rank, args=(args.world_size, args, os.path.join(tmp, "store"), raw),
                            nprocs=args.world_size, start_method="spawn")
         result = json.loads(Path(raw).read_text())
-    lines = [f"OnebitAdam compression step, {result['numel'] / 1e6:.1f}M params, {result['world_size']} gloo ranks "
+    lines = [f"OnebitAdam compression step (compression_space={args.compression_space!r}), {result['numel'] / 1e6:.1f}M params, {result['world_size']} gloo ranks "
              f"(loopback), rank 0, mean of {args.steps} profiled steps: {result['step_ms']:.0f} ms; load average "
              f"{result['load_average_1min']:.2f}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
              "", "| op | under | ms/step | share |", "|---|---|---:|---:|"]
@@ -118,8 +120,9 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "profile_step.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / "profile_step.md").write_text(text)
+    suffix = "" if args.compression_space == "momentum" else f"_{args.compression_space}"
+    (args.out_dir / f"profile_step{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / f"profile_step{suffix}.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,6 @@ class OnebitAdam(FrozenVarianceOptimizer):
         """After the 1-bit average of the momentum, the update with the frozen variance."""
         beta1, beta2 = group["betas"]
         bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
-        self._averaged_momentum(bucket, group)
         denominators = self._frozen_denominator(bucket, group["eps"], bc2)
         descend_(bucket, bucket.views["exp_avg"], denominators, group["lr"], group["weight_decay"], bc1)
 

@@ -122,12 +122,22 @@ def compressed_allreduce_(
 
 
 def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBackend, kernels: KernelSet,
-                  staged: bool = False) -> None:
+                  staged: bool = False, multiplier: torch.Tensor | None = None) -> None:
     """Stage 1: compress ``buffer`` with the worker error and start the all-to-all of its signs.
     ``staged``: the new worker error goes to a buffer of its own, adopted by
-    :meth:`CompressionState.commit_` (or dropped by ``discard_``). (A two-level state,
-    :class:`onebit.hierarchy.TwoLevelState`, runs its own stages on its own groups, as do the
-    two functions below; not staged.)"""
+    :meth:`CompressionState.commit_` (or dropped by ``discard_``). ``multiplier``: compress
+    ``buffer * multiplier`` instead (``buffer`` left as it is; in the codec's pass where the
+    kernels can). (A two-level state, :class:`onebit.hierarchy.TwoLevelState`, runs its own
+    stages on its own groups, as do the two functions below; not staged.)"""
+    scaled = {}
+    if multiplier is not None:
+        if kernels.multipliers and isinstance(state, CompressionState):
+            scaled = {"multiplier": multiplier}
+        else:  # a pass of its own, into a buffer the state keeps
+            scaled_input = getattr(state, "scaled_input", None)
+            if scaled_input is None or scaled_input.shape != buffer.shape:
+                scaled_input = state.scaled_input = torch.empty_like(buffer)
+            buffer = torch.mul(buffer, multiplier, out=scaled_input)
     if not isinstance(state, CompressionState):
         if staged:
             raise ValueError("a two-level compressed all-reduce cannot be staged")
@@ -142,7 +152,7 @@ def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBa
         )
     signs = chunk_bytes(state.padded, n)
     error, out = _errors(kernels, state, "worker", staged)
-    worker_scales = kernels.worker_compress_(buffer, error, state.send[:, :signs], bounds=state.bounds, **out)
+    worker_scales = kernels.worker_compress_(buffer, error, state.send[:, :signs], bounds=state.bounds, **out, **scaled)
     write_scale_(state.send, worker_scales)
     state.pending = backend.start_all_to_all(state.recv, state.send)
     state.stage = 1
@@ -167,17 +177,22 @@ def start_server_(state: CompressionState, backend: CommBackend, kernels: Kernel
 
 
 def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet,
-            keep: torch.Tensor | None = None) -> torch.Tensor:
+            keep: torch.Tensor | None = None, multiplier: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 3: once every server chunk has arrived, decode them into ``buffer`` (``+0.0`` where
-    the packed bits ``keep``, if given, are clear: see :func:`onebit.kernels.reference.decode_`)."""
+    the packed bits ``keep``, if given, are clear: see :func:`onebit.kernels.reference.decode_`),
+    multiplied by ``multiplier`` if given (in the decode's pass where the kernels can)."""
     _expect_stage(state, 2, "finish_", "start_server_")
+    fused = multiplier is not None and kernels.multipliers and isinstance(state, CompressionState)
     if not isinstance(state, CompressionState):
-        return state.finish_(buffer, kernels, keep)
-    state.pending.wait()
-    state.pending, state.stage = COMPLETED, 0
-    signs = chunk_bytes(state.padded, state.world_size)
-    kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out, state.segments), buffer, keep,
-                    bounds=state.bounds)
+        state.finish_(buffer, kernels, keep)
+    else:
+        state.pending.wait()
+        state.pending, state.stage = COMPLETED, 0
+        signs = chunk_bytes(state.padded, state.world_size)
+        kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out, state.segments), buffer, keep,
+                        bounds=state.bounds, **({"multiplier": multiplier} if fused else {}))
+    if multiplier is not None and not fused:  # a pass of its own (a kept +0.0 stays +0.0: multipliers are >= 0)
+        buffer.mul_(multiplier)
     return buffer
 
 

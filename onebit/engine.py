@@ -268,6 +268,12 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         """Allocate what step ``t`` would allocate for ``bucket`` (called before some of its
         parameters' values are held through the step, see :meth:`Bucket.hold`)."""
 
+    def _codec_multipliers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(into, out_of)``: the compressed all-reduce of ``bucket`` averages its buffer times
+        ``into`` and decodes the average times ``out_of`` (in the codec's passes where the kernels
+        can: see :attr:`onebit.kernels.KernelSet.multipliers`); None: the buffer as it is."""
+        return None
+
     def _decode_target(self, bucket: Bucket) -> torch.Tensor:
         """Where the compressed average of a staged bucket's input is decoded (see
         ``_STAGED_PLANS``): by default the input buffer itself."""

@@ -93,33 +93,28 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
             )
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
-        """The momentum, updated with the local gradients (the variance stays frozen); with
-        ``compression_space="preconditioned"``, divided by the frozen denominator (0 where the
-        momentum is kept 0), in a buffer of its own. Staged (``overlap_backward``): the new
-        momentum is a copy, ``exp_avg`` stays as it is until the average is decoded into it."""
-        momentum = bucket.buffers["exp_avg"]
+        """The momentum, updated with the local gradients (the variance stays frozen); its
+        average is decoded into ``exp_avg``. Staged (``overlap_backward``): the new momentum is a
+        copy, ``exp_avg`` stays as it is until the average is decoded into it. (With
+        ``compression_space="preconditioned"`` the codec averages it times ``1 / d``: see
+        :meth:`_codec_multipliers`.)"""
         if self._staging:
             momentum = bucket.scratch("staged")
             F.momentum_into_(bucket.view(momentum), bucket.views["exp_avg"], grads, group["betas"][0])
-        else:
-            F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
-        if self.compression_space == "momentum":
             return momentum
-        inverse, _ = self._preconditioner(bucket, group)
-        if self._staging:
-            return momentum.mul_(inverse)
-        return torch.mul(momentum, inverse, out=bucket.scratch("preconditioned"))
+        F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
+        return bucket.buffers["exp_avg"]
 
     def _decode_target(self, bucket: Bucket) -> torch.Tensor:
-        # In the momentum space the average is the new momentum itself.
-        return bucket.buffers["exp_avg"] if self.compression_space == "momentum" else bucket.compressed
+        return bucket.buffers["exp_avg"]  # the average is the new momentum itself
 
-    def _averaged_momentum(self, bucket: Bucket, group: dict[str, Any]) -> None:
-        """After the compressed all-reduce: the momentum from its average (in the preconditioned
-        space, ``m = u d``; in the momentum space the buffer was the momentum itself)."""
-        if self.compression_space == "preconditioned":
-            _, denominator = self._preconditioner(bucket, group)
-            torch.mul(bucket.compressed, denominator, out=bucket.buffers["exp_avg"])
+    def _codec_multipliers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With ``compression_space="preconditioned"``: ``u = m / d`` is averaged (``1 / d`` is 0
+        where the momentum is kept 0) and the momentum is ``u d`` of the average, in the codec's
+        own passes where the kernels can."""
+        if self.compression_space == "momentum":
+            return None
+        return self._preconditioner(bucket, self.param_groups[bucket.group_index])
 
     def _preconditioner(self, bucket: Bucket, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(1 / d, d)`` over the padded buffer for the frozen ``d = sqrt(v / bc2) + eps``, ``1 / d``

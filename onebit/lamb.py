@@ -167,7 +167,6 @@ class OnebitLamb(FrozenVarianceOptimizer):
         gradient, the factor, and ``p -= lr c_frozen f (m / d + wd p)``."""
         beta1, beta2 = group["betas"]
         eps, weight_decay = group["eps"], group["weight_decay"]
-        self._averaged_momentum(bucket, group)
         m = bucket.buffers["exp_avg"]
         fresh = bucket.buffers["exp_avg_sq_fresh"]
         work = F.reconstructed_grad_(bucket.scratch("prev"), m, beta1)

@@ -63,7 +63,8 @@ class Steps:
                 bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], t)
         finally:
             self._staging = False
-        start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket), staged=True)
+        start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket), staged=True,
+                      multiplier=_into(self._codec_multipliers(bucket)))
         bucket.compressed = self._decode_target(bucket)
 
     def _overlapped(self, plan: StepPlan, t: int) -> Round | None:
@@ -257,7 +258,8 @@ class Steps:
                 group = self.param_groups[bucket.group_index]
                 with self._timed("compress_input"):
                     bucket.compressed = self._compress_input(bucket, bucket_grads, group, t)
-                start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket))
+                start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket),
+                              multiplier=_into(self._codec_multipliers(bucket)))
         for bucket, bucket_grads in zip(self._buckets, grads):
             if bucket not in compressed:
                 with self._timed("update"):
@@ -275,11 +277,13 @@ class Steps:
         measure = bool(compressed) and (self._compressed_steps + 1) % HEALTH_CHECK_INTERVAL == 0
         ratios, moves = [], []
         for bucket in compressed:
-            finish_(bucket.compressed, bucket.compression, self._kernels_for(bucket), bucket.derived.frozen_keep)
+            multipliers = self._codec_multipliers(bucket)
+            finish_(bucket.compressed, bucket.compression, self._kernels_for(bucket), bucket.derived.frozen_keep,
+                    None if multipliers is None else multipliers[1])
             if bucket.derived.frozen_keep is None and bucket.derived.frozen_zeros is not None:
                 bucket.compressed.index_fill_(0, bucket.derived.frozen_zeros, 0.0)
             if measure:
-                ratios.append(_error_ratio(bucket))
+                ratios.append(_error_ratio(bucket, _into(multipliers)))
                 before = [p.detach().clone() for p in bucket.params]
             with self._timed("update"):
                 self._update_compressed(bucket, self.param_groups[bucket.group_index], t)
@@ -303,15 +307,20 @@ class Steps:
                  f"(shape {tuple(p.shape)})") for value, p in zip(steps.tolist(), bucket.owners)]
 
 
-def _error_ratio(bucket: Bucket) -> float | None:
-    """The health check's ratio for the buffer this rank's worker stage compressed: the bucket's,
-    or with a two-level ``"node_mean"`` all-reduce the node mean of its shard (segments ``1/L``)."""
+def _into(multipliers: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    return None if multipliers is None else multipliers[0]
+
+
+def _error_ratio(bucket: Bucket, into: torch.Tensor | None = None) -> float | None:
+    """The health check's ratio for the buffer this rank's worker stage compressed: the bucket's
+    (times ``into``: the errors are of that), or with a two-level ``"node_mean"`` all-reduce the
+    node mean of its shard (segments ``1/L``)."""
     edges = bucket.layout.edges
     sizes = [b - a for a, b in zip(edges[:-1], edges[1:])]
     state = bucket.compression
     node_mean = getattr(state, "compressed_input", None)
     if node_mean is None:
-        return error_ratio(state.worker_error, bucket.compressed, sizes)
+        return error_ratio(state.worker_error, bucket.compressed if into is None else bucket.compressed * into, sizes)
     return error_ratio(state.worker_error, node_mean, [size // state.topology.local for size in sizes])
 
 

@@ -945,3 +945,45 @@ def test_error_out_writes_the_new_error_there_and_leaves_the_error(name, ranks):
     assert_bitwise_equal(packed_b, packed_a, "server signs")
     assert_bitwise_equal(out, in_place, "new server error")
     assert_bitwise_equal(kept, server_error, "server error left as it was")
+
+
+@pytest.mark.parametrize("name", ["reference", "cpu", "cpu-scalar"])
+@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize("masked", [False, True])
+def test_multiplier_equals_multiplying_in_a_pass_of_its_own(implementations, name, ranks, masked):
+    """``compression_space="preconditioned"``'s fused passes: ``multiplier=`` on the worker gives
+    what compressing ``x * multiplier`` gives, and on the decode what decoding and then
+    multiplying gives, bit for bit (scales, signs, errors, output), with and without a keep mask."""
+    impl = REFERENCE if name == "reference" else implementations.get(name)
+    reference_impl = REFERENCE
+    n = 8 * ranks * 41
+    bounds = torch.tensor([0, 8 * ranks * 7, n], dtype=torch.int64)
+    x, error = _values(n, 21), _values(n, 22) * 0.1
+    multiplier = _values(n, 23).abs()
+    multiplier[::13] = 0.0  # 1 / d is 0 where the momentum is kept 0
+    cols = n // 8 // ranks
+    exp_error, exp_wire = error.clone(), _wire(ranks, cols, 24)
+    got_error, got_wire = error.clone(), exp_wire.clone()
+    exp_scales = reference_impl.worker_compress_(x * multiplier, exp_error, exp_wire[:, :cols], bounds=bounds)
+    got_scales = impl.worker_compress_(x, got_error, got_wire[:, :cols], bounds=bounds, multiplier=multiplier)
+    assert_bitwise_equal(got_scales, exp_scales, "worker scales")
+    assert_bitwise_equal(got_wire, exp_wire, "worker signs")
+    assert_bitwise_equal(got_error, exp_error, "worker error")
+
+    signs = _wire(ranks, cols, 25)
+    scales = torch.rand(ranks * 2, generator=torch.Generator().manual_seed(26))
+    keep = _wire(1, n // 8, 27)[0, :n // 8].contiguous() if masked else None
+    expected = reference_impl.decode_(signs[:, :cols], scales, torch.empty(n), keep, bounds=bounds).mul_(multiplier)
+    got = impl.decode_(signs[:, :cols], scales, torch.full((n,), 7.0), keep, bounds=bounds, multiplier=multiplier)
+    assert_bitwise_equal(got, expected, "decoded times the multiplier")
+
+
+def test_multiplier_of_the_wrong_size_is_refused():
+    impl = get_kernels(torch.device("cpu"), "cpu")
+    n = 64
+    with pytest.raises(ValueError, match="multiplier must be a float32 CPU tensor of 64 elements"):
+        impl.worker_compress_(torch.zeros(n), torch.zeros(n), torch.zeros(1, n // 8, dtype=torch.uint8),
+                              multiplier=torch.ones(n - 8))
+    with pytest.raises(ValueError, match="multiplier must be a float32 CPU tensor of 64 elements"):
+        impl.decode_(torch.zeros(1, n // 8, dtype=torch.uint8), torch.ones(1), torch.empty(n),
+                     multiplier=torch.ones(n, dtype=torch.float64))

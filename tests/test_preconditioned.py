@@ -4,6 +4,7 @@ step there. Checked against an oracle written from the docstring, on 1 and 3 sim
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from conftest import all_equal
 from distributed import run_ranks
 from onebit import OnebitAdam, OnebitLamb
+from onebit.kernels import REFERENCE, registry
 from onebit.testing import simulate_compressed_allreduce
 
 LR, EPS, WD, BETAS, FREEZE = 1e-2, 1e-8, 0.01, (0.9, 0.999), 3
@@ -66,10 +68,11 @@ def oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def _train(rank: int, world_size: int, steps: int, backend: str | None = None) -> list[list[torch.Tensor]]:
+def _train(rank: int, world_size: int, steps: int, backend: str | None = None,
+           kernels: str = "auto") -> list[list[torch.Tensor]]:
     params = _params()
     opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS, weight_decay=WD,
-                     comm_backend_name=backend, compression_space="preconditioned")
+                     comm_backend_name=backend, compression_space="preconditioned", kernels=kernels)
     out = []
     for t in range(1, steps + 1):
         for p, g in zip(params, _grads(rank, t)):
@@ -79,8 +82,16 @@ def _train(rank: int, world_size: int, steps: int, backend: str | None = None) -
     return out
 
 
-def test_one_rank_matches_the_oracle():
-    got, want = _train(0, 1, 8, "local"), oracle(1, 8)
+# The reference codec as a kernel set without ``multipliers``: the engine multiplies in passes of its own.
+registry.register("reference-unfused", lambda: dataclasses.replace(REFERENCE, name="reference-unfused",
+                                                                   multipliers=False))
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "reference", "reference-unfused"])
+def test_one_rank_matches_the_oracle(kernels):
+    """With the multiplies in the codec's passes (``cpu``, ``reference``) or in passes of their
+    own (a kernel set without ``multipliers``, as the CUDA kernels): the oracle, bit for bit."""
+    got, want = _train(0, 1, 8, "local", kernels), oracle(1, 8)
     for t, (a, b) in enumerate(zip(got, want), start=1):
         assert all_equal(a, b), t
 

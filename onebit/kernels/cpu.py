@@ -52,7 +52,7 @@ __all__ = ["load", "build", "compiler_command", "cache_dir", "CACHE_ENV_VAR"]
 CACHE_ENV_VAR = "ONEBIT_CACHE_DIR"
 SOURCE_NAME = "cpu_kernels.cpp"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fvisibility=hidden")
-ABI = 4
+ABI = 5
 
 _c_ptr = ctypes.c_void_p
 _c_i64 = ctypes.c_int64
@@ -145,14 +145,14 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.onebit_cpu_valid_bounds.restype = _c_int
     lib.onebit_cpu_sumsq.argtypes = [_c_ptr, _c_i64, _c_int]
     lib.onebit_cpu_sumsq.restype = ctypes.c_double
-    lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64,
-                                      _c_i64, _c_ptr, _c_int]
+    lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_ptr,
+                                      _c_i64, _c_i64, _c_ptr, _c_int]
     lib.onebit_cpu_worker.restype = None
     lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64,
                                       _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]
     lib.onebit_cpu_server.restype = None
     lib.onebit_cpu_decode.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr,
-                                      _c_int]
+                                      _c_ptr, _c_int]
     lib.onebit_cpu_decode.restype = None
     return lib
 
@@ -190,17 +190,19 @@ class CpuKernels:
         return table, len(edges) - 1
 
     def worker_compress_(self, x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
-                         bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None) -> torch.Tensor:
+                         bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None,
+                         multiplier: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.worker_compress_`: returns the ``(k,)`` scales."""
         total = check_worker(x, error, packed, "cpu")
         target = _error_target(error, error_out)
+        ms = _multiplier(multiplier, total, "worker_compress_")
         nrows = packed.shape[0] if packed.dim() == 2 else 1
         table, k = self._table(bounds, total, 8 * nrows, "worker_compress_")
         xs, es = flat_float(x), flat_float(error)
         eo = es if target is error else flat_float(target)
         out = byte_rows(packed, output=True)
         scales = torch.empty(k, dtype=torch.float32)
-        self.lib.onebit_cpu_worker(xs.data_ptr(), es.data_ptr(), eo.data_ptr(), total, table.data_ptr(), k, nrows,
+        self.lib.onebit_cpu_worker(xs.data_ptr(), None if ms is None else ms.data_ptr(), es.data_ptr(), eo.data_ptr(), total, table.data_ptr(), k, nrows,
                                    out.tensor.data_ptr(), out.row_len, out.row_stride, scales.data_ptr(),
                                    torch.get_num_threads())
         out.finish_()
@@ -230,9 +232,11 @@ class CpuKernels:
         return result
 
     def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None,
+                multiplier: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.decode_`."""
         check_decode(signs, scales, out, "cpu", keep, claimed_segments(bounds))
+        ms = _multiplier(multiplier, out.numel(), "decode_")
         nrows, cols = signs.shape
         table, k = self._table(bounds, out.numel(), 8 * nrows, "decode_")
         rows = byte_rows(signs, output=False)
@@ -240,14 +244,15 @@ class CpuKernels:
         dst = flat_float(out)
         self.lib.onebit_cpu_decode(rows.tensor.data_ptr(), nrows, rows.row_stride, cols, sc.data_ptr(),
                                    table.data_ptr(), k, None if keep is None else keep.data_ptr(),
-                                   dst.data_ptr(), torch.get_num_threads())
+                                   None if ms is None else ms.data_ptr(), dst.data_ptr(), torch.get_num_threads())
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out
 
     def kernel_set(self) -> KernelSet:
         return KernelSet(name="cpu", worker_compress_=self.worker_compress_,
-                         server_compress_=self.server_compress_, decode_=self.decode_, separate_errors=True)
+                         server_compress_=self.server_compress_, decode_=self.decode_, separate_errors=True,
+                         multipliers=True)
 
 
 _KERNELS: CpuKernels | None = None
@@ -273,3 +278,13 @@ def _error_target(error: torch.Tensor, error_out: torch.Tensor | None) -> torch.
         raise ValueError(f"error_out must be a float32 CPU tensor of shape {tuple(error.shape)}, got {error_out.dtype} "
                          f"{tuple(error_out.shape)} on {error_out.device}")
     return error_out
+
+
+def _multiplier(multiplier: torch.Tensor | None, total: int, what: str) -> torch.Tensor | None:
+    """The contiguous float32 CPU tensor of ``total`` elements to pass for ``multiplier=``."""
+    if multiplier is None:
+        return None
+    if multiplier.dtype != torch.float32 or multiplier.device.type != "cpu" or multiplier.numel() != total:
+        raise ValueError(f"{what}: multiplier must be a float32 CPU tensor of {total} elements, got "
+                         f"{multiplier.dtype} of {multiplier.numel()} elements on {multiplier.device}")
+    return flat_float(multiplier)

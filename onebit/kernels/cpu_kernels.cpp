@@ -22,8 +22,8 @@
 // A float's square is exact in double, so an FMA (acc + b*b) rounds exactly like a separate
 // multiply and add, and the result depends neither on vector width nor on thread count.
 //
-// Every other operation is one IEEE float32 operation per element (add, subtract, divide by n),
-// in the same order as the reference. Negation only flips the sign bit, so q*s is s with its sign
+// Every other operation is one IEEE float32 operation per element (add, subtract, multiply,
+// divide by n), in the same order as the reference. Negation only flips the sign bit, so q*s is s with its sign
 // bit flipped where q = -1. Build with -ffp-contract=off (cpu.py does).
 
 #include <algorithm>
@@ -179,6 +179,20 @@ struct WorkerSource {  // b = x + e
     }
 };
 
+// b = x * m + e: two roundings, as the reference's two operations. Read once, in the pass of the
+// sums of squares, which also stores b into `b_out` (the error's output: the pack pass then reads
+// b alone, and overwrites it with the new error).
+struct ScaledWorkerSource {
+    const float* x;
+    const float* m;
+    const float* e;
+    float* b_out;
+    float value(int64_t i) const { return b_out[i] = x[i] * m[i] + e[i]; }
+    void value8(int64_t i, float* v) const {
+        for (int j = 0; j < 8; ++j) v[j] = b_out[i + j] = x[i + j] * m[i + j] + e[i + j];
+    }
+};
+
 struct ServerSource {  // c = (s_0 q_0 + s_1 q_1 + ... ) / nrows + e, in rank order
     const uint8_t* signs;
     int64_t sign_stride;  // bytes between the rows of signs
@@ -243,10 +257,14 @@ void pack_scalar(const Src& src, float* e, float s, int64_t b0, int64_t count, u
 }
 
 // keep (may be null): where bit (7 - j) of keep[k] is clear, out[k * 8 + j] is +0.0 instead.
-void decode_scalar(const uint8_t* in, int64_t count, float s, const uint8_t* keep, float* out) {
+// mult (may be null): out[i] = (q s) * mult[i] (where kept).
+void decode_scalar(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const float* mult, float* out) {
     for (int64_t k = 0; k < count; ++k) {
         const unsigned kept = keep ? keep[k] : 0xffu;
-        for (int j = 0; j < 8; ++j) out[k * 8 + j] = ((kept >> (7 - j)) & 1u) ? signed_value(s, in[k], j) : 0.0f;
+        for (int j = 0; j < 8; ++j) {
+            const float v = signed_value(s, in[k], j);
+            out[k * 8 + j] = ((kept >> (7 - j)) & 1u) ? (mult ? v * mult[k * 8 + j] : v) : 0.0f;
+        }
     }
 }
 
@@ -298,6 +316,22 @@ struct WorkerAvx2 {
     const float* e;
     ONEBIT_AVX2 __m256 load8(int64_t i) const {
         return _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+    }
+    ONEBIT_AVX2 void load32(int64_t i, __m256* v) const {
+        for (int q = 0; q < 4; ++q) v[q] = load8(i + 8 * q);
+    }
+};
+
+struct ScaledWorkerAvx2 {
+    const float* x;
+    const float* m;
+    const float* e;
+    float* b_out;
+    ONEBIT_AVX2 __m256 load8(int64_t i) const {  // a multiply, then an add: no FMA
+        const __m256 b =
+            _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(m + i)), _mm256_loadu_ps(e + i));
+        _mm256_storeu_ps(b_out + i, b);
+        return b;
     }
     ONEBIT_AVX2 void load32(int64_t i, __m256* v) const {
         for (int q = 0; q < 4; ++q) v[q] = load8(i + 8 * q);
@@ -395,32 +429,38 @@ ONEBIT_AVX2 inline __m256 bit_lanes(unsigned byte) {
     return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, bits), bits));
 }
 
-template <bool kMasked>
-ONEBIT_AVX2 inline __m256 decoded(__m256 ps, const uint8_t* in, const uint8_t* keep, int64_t k) {
-    const __m256 v = signed_scale(ps, in[k]);
+template <bool kMasked, bool kScaled>
+ONEBIT_AVX2 inline __m256 decoded(__m256 ps, const uint8_t* in, const uint8_t* keep, const float* mult, int64_t k) {
+    __m256 v = signed_scale(ps, in[k]);
+    if (kScaled) v = _mm256_mul_ps(v, _mm256_loadu_ps(mult + 8 * k));
     return kMasked ? _mm256_and_ps(v, bit_lanes(keep[k])) : v;  // cleared lanes: +0.0
 }
 
-template <bool kMasked>
-ONEBIT_AVX2 void decode_avx2_impl(const uint8_t* in, int64_t count, float s, const uint8_t* keep, float* out,
-                                  bool stream) {
+template <bool kMasked, bool kScaled>
+ONEBIT_AVX2 void decode_avx2_impl(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const float* mult,
+                                  float* out, bool stream) {
     const __m256 ps = _mm256_set1_ps(s);
     int64_t k = 0;
     if (stream) {
         for (; k < count && (reinterpret_cast<uintptr_t>(out + 8 * k) & 31) != 0; ++k)
-            _mm256_storeu_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, k));
-        for (; k < count; ++k) _mm256_stream_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, k));
+            _mm256_storeu_ps(out + 8 * k, decoded<kMasked, kScaled>(ps, in, keep, mult, k));
+        for (; k < count; ++k) _mm256_stream_ps(out + 8 * k, decoded<kMasked, kScaled>(ps, in, keep, mult, k));
         _mm_sfence();
         return;
     }
-    for (; k < count; ++k) _mm256_storeu_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, k));
+    for (; k < count; ++k) _mm256_storeu_ps(out + 8 * k, decoded<kMasked, kScaled>(ps, in, keep, mult, k));
 }
 
-ONEBIT_AVX2 void decode_avx2(const uint8_t* in, int64_t count, float s, const uint8_t* keep, float* out, bool stream) {
-    if (keep)
-        decode_avx2_impl<true>(in, count, s, keep, out, stream);
+ONEBIT_AVX2 void decode_avx2(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const float* mult,
+                             float* out, bool stream) {
+    if (keep && mult)
+        decode_avx2_impl<true, true>(in, count, s, keep, mult, out, stream);
+    else if (keep)
+        decode_avx2_impl<true, false>(in, count, s, keep, mult, out, stream);
+    else if (mult)
+        decode_avx2_impl<false, true>(in, count, s, keep, mult, out, stream);
     else
-        decode_avx2_impl<false>(in, count, s, keep, out, stream);
+        decode_avx2_impl<false, false>(in, count, s, keep, mult, out, stream);
 }
 #else
 bool cpu_has_avx2() { return false; }
@@ -488,11 +528,14 @@ void pack(const Src& src, const Vec& vec, bool avx2, float* e, float s, int64_t 
 
 // Every segment's scale from its sum of squares, then the pack and error update of the `total / 8`
 // input bytes: chunk j of segment i into row j of `out` (`rows` rows of total / (8 rows) bytes).
-template <typename SrcOf, typename VecOf>
-void compress(const Segments& seg, const SrcOf& src_of, const VecOf& vec_of, float* e, int64_t total, int64_t rows,
-              const ByteRows& out, float* scales, int threads) {
+// (The sums read the sources of sum_src_of / sum_vec_of, the pack those of src_of / vec_of: the
+// same values, read again or stored by the first pass.)
+template <typename SumSrcOf, typename SumVecOf, typename SrcOf, typename VecOf>
+void compress(const Segments& seg, const SumSrcOf& sum_src_of, const SumVecOf& sum_vec_of, const SrcOf& src_of,
+              const VecOf& vec_of, float* e, int64_t total, int64_t rows, const ByteRows& out, float* scales,
+              int threads) {
     std::vector<double> sums(seg.k);
-    segment_sumsq(seg, src_of, vec_of, threads, sums.data());
+    segment_sumsq(seg, sum_src_of, sum_vec_of, threads, sums.data());
     for (int64_t i = 0; i < seg.k; ++i) scales[i] = scale_from_sumsq(sums[i], seg.hi(i) - seg.lo(i));
     const bool avx2 = use_avx2();
     const int64_t nbytes = total / 8;
@@ -511,10 +554,12 @@ void compress(const Segments& seg, const SrcOf& src_of, const VecOf& vec_of, flo
 #if ONEBIT_X86
 using PlainVec = PlainAvx2;
 using WorkerVec = WorkerAvx2;
+using ScaledWorkerVec = ScaledWorkerAvx2;
 using ServerVec = ServerAvx2;
 #else
 using PlainVec = PlainSource;
 using WorkerVec = WorkerSource;
+using ScaledWorkerVec = ScaledWorkerSource;
 using ServerVec = ServerSource;
 #endif
 
@@ -524,7 +569,7 @@ using ServerVec = ServerSource;
 
 extern "C" {
 
-ONEBIT_EXPORT int onebit_cpu_abi(void) { return 4; }
+ONEBIT_EXPORT int onebit_cpu_abi(void) { return 5; }
 
 // 1 when the AVX2 paths are in use, 0 for the portable paths.
 ONEBIT_EXPORT int onebit_cpu_vector_path(void) { return use_avx2() ? 1 : 0; }
@@ -553,22 +598,28 @@ ONEBIT_EXPORT double onebit_cpu_sumsq(const float* b, int64_t n, int threads) {
 }
 
 // Worker over `total` elements in the k segments of `bounds` (k + 1 entries, 0 .. total, each
-// segment a multiple of 8 nrows): b = x + e; per segment i, scale_i = blocked RMS of its b; chunk j
+// segment a multiple of 8 nrows): b = x + e (or x * m + e where m is not null); per segment i, scale_i = blocked RMS of its b; chunk j
 // of it packed into wire row j at byte bounds[i] / (8 nrows); e_out <- b - scale_i * sign(b)
 // (e_out may be e, or a buffer of its own: e is then left as it was); scales into
 // scales_out[0..k). Wire byte w (row w / (total / (8 nrows))) lives at
 // packed + (w / row_len) * row_stride + w % row_len.
-ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const float* e, float* e_out, int64_t total, const int64_t* bounds,
-                                     int64_t k, int64_t nrows, uint8_t* packed, int64_t row_len, int64_t row_stride,
-                                     float* scales_out, int threads) {
+ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const float* m, const float* e, float* e_out, int64_t total,
+                                     const int64_t* bounds, int64_t k, int64_t nrows, uint8_t* packed, int64_t row_len,
+                                     int64_t row_stride, float* scales_out, int threads) {
+    const Segments seg{bounds, k, 1};
+    const ByteRows rows{packed, row_len, row_stride};
+    const int t = clamp_threads(threads, total);
+    if (m) {  // b stored into e_out by the sums' pass, packed from there
+        const auto stored = [e_out](int64_t) { return PlainSource{e_out}; };
+        const auto stored_vec = [e_out](int64_t) { return PlainVec{e_out}; };
+        compress(seg, [=](int64_t) { return ScaledWorkerSource{x, m, e, e_out}; },
+                 [=](int64_t) { return ScaledWorkerVec{x, m, e, e_out}; }, stored, stored_vec, e_out, total, nrows,
+                 rows, scales_out, t);
+        return;
+    }
     const auto src_of = [x, e](int64_t) { return WorkerSource{x, e}; };
-#if ONEBIT_X86
     const auto vec_of = [x, e](int64_t) { return WorkerVec{x, e}; };
-#else
-    const auto vec_of = src_of;
-#endif
-    compress(Segments{bounds, k, 1}, src_of, vec_of, e_out, total, nrows, ByteRows{packed, row_len, row_stride},
-             scales_out, clamp_threads(threads, total));
+    compress(seg, src_of, vec_of, src_of, vec_of, e_out, total, nrows, rows, scales_out, t);
 }
 
 // Server over a chunk of n elements whose segments are bounds / nrows (`bounds`: the worker's
@@ -586,17 +637,18 @@ ONEBIT_EXPORT void onebit_cpu_server(const uint8_t* signs, int64_t nrows, int64_
 #else
     const auto vec_of = src_of;
 #endif
-    compress(Segments{bounds, k, nrows}, src_of, vec_of, e_out, n, 1, ByteRows{packed, row_len, row_stride},
-             scales_out, clamp_threads(threads, n));
+    compress(Segments{bounds, k, nrows}, src_of, vec_of, src_of, vec_of, e_out, n, 1,
+             ByteRows{packed, row_len, row_stride}, scales_out, clamp_threads(threads, n));
 }
 
 // Decode: for segment i of `bounds` (k + 1 entries over out's nrows * row_bytes * 8 elements),
 // chunk j: out[o_i + j L_i + p] = +-scales[j * k + i] from bit (7 - p % 8) of byte
-// o_i / (8 nrows) + p / 8 of row j of `signs` (rows `sign_stride` bytes apart), or +0.0 where keep
-// (packed bits over out, may be null) has that bit clear.
+// o_i / (8 nrows) + p / 8 of row j of `signs` (rows `sign_stride` bytes apart), times mult[o_i + j L_i + p]
+// where mult (out's length, may be null) is given, or +0.0 where keep (packed bits over out, may be
+// null) has that bit clear.
 ONEBIT_EXPORT void onebit_cpu_decode(const uint8_t* signs, int64_t nrows, int64_t sign_stride, int64_t row_bytes,
                                      const float* scales, const int64_t* bounds, int64_t k, const uint8_t* keep,
-                                     float* out, int threads) {
+                                     const float* mult, float* out, int threads) {
     const int64_t total = nrows * row_bytes;
     const int t = clamp_threads(threads, total * 8);
     const Segments seg{bounds, k, 1};
@@ -611,15 +663,16 @@ ONEBIT_EXPORT void onebit_cpu_decode(const uint8_t* signs, int64_t nrows, int64_
                 const int64_t b0 = first + (w0 - wire);  // output byte: elements 8 b0 .. 8 b0 + 7
                 float* o = out + b0 * 8;
                 const uint8_t* kp = keep ? keep + b0 : nullptr;
+                const float* mp = mult ? mult + b0 * 8 : nullptr;
 #if ONEBIT_X86
                 if (avx2) {
-                    decode_avx2(in, c, s, kp, o, stream);
+                    decode_avx2(in, c, s, kp, mp, o, stream);
                     return;
                 }
 #endif
                 (void)avx2;
                 (void)stream;
-                decode_scalar(in, c, s, kp, o);
+                decode_scalar(in, c, s, kp, mp, o);
             });
         });
     });

@@ -79,8 +79,12 @@ def segment_bounds(bounds: torch.Tensor | None, total: int) -> list[int]:
 
 
 def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
-                     bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None) -> torch.Tensor:
+                     bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None,
+                     multiplier: torch.Tensor | None = None) -> torch.Tensor:
     """Worker side: for each segment ``b = x + error``; pack ``sign(b)``; ``error <- b - s*sign(b)``.
+    Given ``multiplier`` (float32, ``x``'s length), ``b = x * multiplier + error`` instead: a
+    multiply and an add, each rounded to float32 (what compressing ``x * multiplier`` gives,
+    without writing it).
 
     ``x`` and ``error`` are flat, ``M`` elements, cut into segments by ``bounds`` (int64
     ``[0, o_1, ..., M]``; ``None``: one segment), each a multiple of ``8 n`` elements long, where
@@ -97,7 +101,7 @@ def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
     rows = packed.reshape(-1, packed.shape[-1]) if packed.dim() == 2 else packed.reshape(1, -1)
     n = rows.shape[0]
     edges = segment_bounds(bounds, x.numel())
-    b = x + error
+    b = (x if multiplier is None else x * multiplier.reshape(x.shape)) + error
     target = error if error_out is None else error_out
     scales = []
     out = rows.clone()
@@ -150,7 +154,7 @@ def server_compress_(
 
 
 def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: torch.Tensor | None = None, *,
-            bounds: torch.Tensor | None = None) -> torch.Tensor:
+            bounds: torch.Tensor | None = None, multiplier: torch.Tensor | None = None) -> torch.Tensor:
     """Decode the gathered server chunks: ``signs`` is ``(n, C)`` (row ``j`` from server ``j``),
     ``scales`` ``(n, k)``. For segment ``i`` (``bounds`` as in :func:`worker_compress_`, over
     ``out``'s ``M = 8 n C`` elements), chunk ``j`` is
@@ -158,7 +162,8 @@ def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: 
 
     ``keep`` (optional): ``M / 8`` bytes of packed bits in the same order as ``out`` (MSB
     first); where a bit is clear the output is ``+0.0`` (a momentum mask, applied in the same
-    pass)."""
+    pass). ``multiplier`` (optional, float32, ``out``'s length): each decoded value is multiplied
+    by it, rounded once (what decoding and then multiplying gives, in one pass)."""
     n = signs.shape[0]
     edges = segment_bounds(bounds, out.numel())
     k = len(edges) - 1
@@ -168,6 +173,8 @@ def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: 
     for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
         chunk = (hi - lo) // n
         torch.mul(values[:, lo // n:lo // n + chunk], scales[:, i:i + 1], out=flat[lo:hi].view(n, chunk))
+    if multiplier is not None:
+        flat.mul_(multiplier.reshape(-1))
     if keep is not None:
         flat.masked_fill_(unpack_signs(keep.reshape(-1)) < 0, 0.0)
     return out

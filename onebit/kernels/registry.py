@@ -23,13 +23,16 @@ ENV_VAR = "ONEBIT_KERNELS"
 class KernelSet:
     """One implementation of the codec's three operations. ``separate_errors``: its compress
     functions take ``error_out=`` (the new error written there, ``error`` left as it is); else
-    the caller copies the error there first and compresses in place."""
+    the caller copies the error there first and compresses in place. ``multipliers``: its
+    ``worker_compress_`` and ``decode_`` take ``multiplier=`` (the input multiplied by it as it
+    is read, the output as it is written); else the caller multiplies in passes of its own."""
 
     name: str
     worker_compress_: Callable[..., torch.Tensor]
     server_compress_: Callable[..., torch.Tensor]
     decode_: Callable[..., torch.Tensor]
     separate_errors: bool = False
+    multipliers: bool = False
 
 
 REFERENCE = KernelSet(
@@ -38,6 +41,7 @@ REFERENCE = KernelSet(
     server_compress_=reference.server_compress_,
     decode_=reference.decode_,
     separate_errors=True,
+    multipliers=True,
 )
 
 # name -> loader returning a KernelSet or raising ImportError/RuntimeError with the cause.
