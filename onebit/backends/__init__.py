@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed
+
 from .base import CommBackend
 from .local import LocalBackend
 from ..shards import mesh_group
 
 __all__ = ["CommBackend", "LocalBackend", "BACKEND_NAMES", "resolve_backend"]
+
+# Imported now, before any process group exists: torch.distributed.nn.functional's collectives
+# take ``group=group.WORLD`` as a default argument, evaluated at import. Imported later (torch
+# imports it with torch._dynamo, which the first ``Optimizer.add_param_group`` imports: every
+# optimizer built after ``init_process_group``), the defaults keep the default process group
+# alive after ``destroy_process_group()``: its gloo worker threads are never joined, and one still
+# releasing a finished collective's tensors when the interpreter finalizes aborts the process
+# ("terminate called without an active exception", SIGABRT at exit). (Once a group exists, the
+# import would keep it alive: then it is left to torch.)
+if torch.distributed.is_available() and not torch.distributed.is_initialized():
+    import torch.distributed.nn  # noqa: F401
 
 #: names accepted by ``comm_backend_name``
 BACKEND_NAMES = ("gloo", "hccl", "local", "mpi", "nccl")

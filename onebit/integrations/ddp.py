@@ -14,6 +14,7 @@ onebit optimizer.
 # No "from __future__ import annotations": DDP checks the hook's annotations at run time.
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,7 +87,17 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
             f"{optimizer.backend.world_size}; give both the same data-parallel group"
         )
     ddp_model.register_comm_hook(state, onebit_ddp_hook)
-    follow_plan(optimizer, lambda average: setattr(ddp_model, "require_backward_grad_sync", average))
+    # The optimizer reaches the model weakly: DDP's C++ reducer holds the hook state and so the
+    # optimizer, an edge Python's garbage collector cannot see, and a strong way back would make
+    # a cycle never freed that keeps the process group (and its gloo threads) alive at exit.
+    model = weakref.ref(ddp_model)
+
+    def apply(average: bool) -> None:
+        target = model()
+        if target is not None:
+            target.require_backward_grad_sync = average
+
+    follow_plan(optimizer, apply)
     if optimizer.overlap_backward:
         _sync_with(ddp_model, optimizer)
 
