@@ -9,6 +9,8 @@ order rotated by ``r``), so that a change of load on the machine hits every conf
   + Adam;
 * ``onebit_warmup``: ``OnebitAdam`` in its warmup phase (it all-reduces the gradients itself);
 * ``onebit_compression``: ``OnebitAdam`` in its compression phase (``kernels='auto'``);
+* ``onebit_compression_momentum`` (optional): the same with ``compression_space="momentum"``
+  (DeepSpeed's numerics; the default before 2026-11-26);
 * ``onebit_ddp_compression`` (optional): DDP + ``attach_ddp`` + OnebitAdam in compression;
 * ``onebit_ddp_nosync_compression`` (optional): the same, with backward run under
   ``ddp.no_sync()`` in the compression phase (DDP then neither copies nor hooks the gradients);
@@ -77,7 +79,7 @@ for _name in ("zoadam_phase1", "zoadam_compressed_gradient"):
     ZOADAM_PARTS[_name + "_overlap"] = tuple((part + "_overlap", kind, before) for part, kind, before in ZOADAM_PARTS[_name])
 OVERLAP_CONFIGS = ("onebit_warmup_overlap", "onebit_compression_overlap", "zoadam_phase1_overlap",
                    "zoadam_compressed_gradient_overlap")
-ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS + OVERLAP_CONFIGS
+ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS + OVERLAP_CONFIGS + ("onebit_compression_momentum",)
 COUNTER_FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
 
 
@@ -172,6 +174,9 @@ class Config:
                 self.no_sync = name == "onebit_ddp_nosync_compression"
             else:
                 self.optimizer.register_timer(TIMERS)
+        elif name == "onebit_compression_momentum":
+            self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=2, comm_backend_name="gloo",
+                                        kernels=args.kernels, compression_space="momentum", **buckets)
         elif name in ZOADAM_PARTS:
             self.optimizer = ZeroOneAdam(self.model.parameters(), lr=1e-5, comm_backend_name="gloo",
                                          kernels=args.kernels, overlap_backward=name.endswith("_overlap"), **buckets,

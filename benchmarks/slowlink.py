@@ -55,6 +55,7 @@ LABELS = {
     "powersgd4": "DDP + PowerSGD r4 + Adam",
     "onebit_warmup": "OnebitAdam warmup",
     "onebit_compression": "OnebitAdam compression",
+    "onebit_compression_momentum": "OnebitAdam compression, compression_space='momentum'",
     "onebit_warmup_overlap": "OnebitAdam warmup, overlap_backward",
     "onebit_compression_overlap": "OnebitAdam compression, overlap_backward",
     "onebit_ddp_compression": "DDP + attach_ddp + OnebitAdam compression",

@@ -42,10 +42,11 @@ class OnebitAdam(FrozenVarianceOptimizer):
             (``latest`` None: no bound); default ``(20, None)``.
         bias_correction: divide the moments by ``1 - beta**t`` (with ``t = freeze_step`` for the
             frozen variance). Off by default, as in DeepSpeed.
-        compression_space: what the 1-bit all-reduce averages: ``"momentum"`` (default,
-            DeepSpeed's numerics) or ``"preconditioned"``: ``u = m / (sqrt(v) + eps)``, so that
-            the 1-bit error of a coordinate is in units of Adam's step there (a coordinate with a
-            tiny frozen variance cannot take a step of ``lr * scale / eps``); the same bytes.
+        compression_space: what the 1-bit all-reduce averages: ``"preconditioned"`` (default):
+            ``u = m / (sqrt(v) + eps)``, so that the 1-bit error of a coordinate is in units of
+            Adam's step there (a coordinate with a tiny frozen variance cannot take a step of
+            ``lr * scale / eps``); or ``"momentum"``: ``m``, DeepSpeed's numerics. The same
+            bytes; measured in ``examples/bert/README.md``.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -65,7 +66,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
         weight_decay: float = 0.0,
         *,
         bias_correction: bool = False,
-        compression_space: str = "momentum",
+        compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
         **options: Any,
     ) -> None:

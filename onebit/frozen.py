@@ -36,7 +36,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
 
-    def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int | str, compression_space: str = "momentum",
+    def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int | str, compression_space: str = "preconditioned",
                  freeze_bounds: tuple[int, int | None] | None = None, **options: Any) -> None:
         self._auto: AutoFreeze | None = None
         if freeze_step == "auto":
@@ -145,8 +145,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         return bucket.derived.denominators
 
     def _schedule_state(self) -> dict[str, Any]:
-        # (compression_space only when not DeepSpeed's: state dicts of the default stay as they were)
-        space = {} if self.compression_space == "momentum" else {"compression_space": self.compression_space}
+        # (a checkpoint without compression_space is of the momentum space, the default before 2026-11-26)
+        space = {"compression_space": self.compression_space}
         # 'auto': the step it chose (or "auto" while undecided) and what the decision compares with
         auto = {} if self._auto is None else {"auto_freeze": self._auto.state()}
         return {"freeze_step": "auto" if self.freeze_step is None else self.freeze_step, **space, **auto}

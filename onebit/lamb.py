@@ -75,8 +75,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
         factor_max: upper bound of ``f``.
         factor_min: lower bound of ``f``.
         factor_threshold: the largest relative change of ``f`` per step.
-        compression_space: ``"momentum"`` (default, DeepSpeed's numerics) or
-            ``"preconditioned"``: as for :class:`onebit.OnebitAdam`.
+        compression_space: ``"preconditioned"`` (default) or ``"momentum"`` (DeepSpeed's
+            numerics): as for :class:`onebit.OnebitAdam`.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -107,7 +107,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         *,
-        compression_space: str = "momentum",
+        compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
         **options: Any,
     ) -> None:

@@ -57,7 +57,7 @@ def _train_rank(rank: int, world_size: int, bucket_size, group) -> dict:
     kwargs = {} if bucket_size == DEFAULT_BUCKET else {"bucket_size": bucket_size}
     opt = OnebitAdam(model.parameters(), lr=HYPER["lr"], freeze_step=HYPER["freeze_step"], betas=HYPER["betas"],
                      eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], comm_backend_name="gloo", group=group,
-                     **kwargs)
+                     compression_space="momentum", **kwargs)
     snapshots = []
     for t in range(1, HYPER["steps"] + 1):
         backward(model, run, t, rank)

@@ -71,9 +71,10 @@ def _set_grads(net: Net, rank: int, t: int, freeze_step: int = FREEZE) -> None:
 
 
 def _optimizer(net: Net, backend: str, freeze_step: int = FREEZE, **kwargs) -> OnebitLamb:
+    """(In the momentum space, DeepSpeed's numerics, which the oracle below follows.)"""
     return OnebitLamb(net.parameters(), lr=LR, freeze_step=freeze_step, betas=BETAS, eps=EPS, weight_decay=WD,
                       comm_backend_name=backend, momentum_masks={net.body[0].weight: _mask(net)},
-                      **{**LAMB, **kwargs})
+                      **{"compression_space": "momentum", **LAMB, **kwargs})
 
 
 # ----------------------------------------------------------------------------- the oracle
@@ -348,7 +349,7 @@ def test_zero_initialised_bias_gets_the_clamped_ratio_and_keeps_moving():
 def test_freeze_step_1_copies_the_variance_and_the_factor_starts_near_1():
     lin = _linear()
     params = list(lin.parameters())
-    opt = OnebitLamb(params, lr=0.01, freeze_step=1, comm_backend_name="local")
+    opt = OnebitLamb(params, lr=0.01, freeze_step=1, comm_backend_name="local", compression_space="momentum")
     _random_grads(params, 1)
     opt.step()
     for p in params:

@@ -127,7 +127,8 @@ def test_phase_is_derived_from_step_and_freeze_step():
 
 def test_compression_freezes_the_variance_and_keeps_momentum_moving():
     model = _model()
-    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, comm_backend_name="local")
+    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, comm_backend_name="local",
+                     compression_space="momentum")
     _train(model, opt, 2)
     p = next(model.parameters())
     v_before = opt.state[p]["exp_avg_sq"].clone()
@@ -169,7 +170,7 @@ def test_uncompressed_group_runs_plain_adam_in_both_phases():
     plain, compressed = _model(0), _model(1)
     ref_model = copy.deepcopy(plain)
     opt = OnebitAdam([{"params": plain.parameters(), "compress": False}, {"params": compressed.parameters()}],
-                     lr=1e-2, freeze_step=2, comm_backend_name="local")
+                     lr=1e-2, freeze_step=2, comm_backend_name="local", compression_space="momentum")
     ref = DeepSpeedAdam(ref_model.parameters(), 1e-2, (0.9, 0.999), 1e-8, 0.0)
     for step in range(6):
         x, y = _batch(step)
@@ -288,7 +289,8 @@ def _same(a, b) -> bool:
 def test_state_dict_is_a_world_size_independent_copy():
     model, opt = _trained(5)
     sd = opt.state_dict()
-    assert sd["param_groups"][0]["onebit"] == {"format_version": 3, "algorithm": "OnebitAdam", "step": 5, "freeze_step": 3}
+    assert sd["param_groups"][0]["onebit"] == {"format_version": 3, "algorithm": "OnebitAdam", "step": 5, "freeze_step": 3,
+                                               "compression_space": "preconditioned"}
     for index, p in enumerate(model.parameters()):
         assert sd["state"][index]["exp_avg"].shape == p.shape
         assert set(sd["state"][index]) == {"exp_avg", "exp_avg_sq"}

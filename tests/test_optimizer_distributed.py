@@ -104,7 +104,8 @@ def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkp
     model = _model()
     opt = OnebitAdam(model.parameters(), lr=LR, freeze_step=freeze_step, betas=BETAS, eps=EPS, weight_decay=WD,
                      comm_backend_name="gloo", momentum_masks={model[0].weight: _mask(model)},
-                     bucket_size=bucket_size, scale_block_size=scale_block_size)
+                     bucket_size=bucket_size, scale_block_size=scale_block_size,
+                     compression_space="momentum")  # (what simulate() follows: DeepSpeed's numerics)
     first = 0
     if checkpoint_in is not None:
         saved = torch.load(checkpoint_in)

@@ -130,21 +130,29 @@ def test_a_tiny_frozen_variance_cannot_take_a_huge_step(cls):
 
 
 def test_the_space_is_saved_and_a_checkpoint_restores_it(caplog):
+    """The default is the preconditioned space; a checkpoint of the momentum space (DeepSpeed's)
+    restores its space (its compression errors are of it), and a checkpoint written before the
+    space was saved (no ``compression_space``) is of the momentum space, the default then."""
     params = _params()
-    opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, comm_backend_name="local", compression_space="preconditioned")
+    opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, comm_backend_name="local", compression_space="momentum")
     for t in range(1, 6):
         for p, g in zip(params, _grads(0, t)):
             p.grad = g
         opt.step()
     saved = opt.state_dict()
-    assert saved["param_groups"][0]["onebit"]["compression_space"] == "preconditioned"
+    assert saved["param_groups"][0]["onebit"]["compression_space"] == "momentum"
     default = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local")
-    # DeepSpeed-numerics state dicts as before
-    assert "compression_space" not in default.state_dict()["param_groups"][0]["onebit"]
+    assert default.compression_space == "preconditioned"
+    assert default.state_dict()["param_groups"][0]["onebit"]["compression_space"] == "preconditioned"
     with caplog.at_level(logging.INFO, logger="onebit"):
         default.load_state_dict(saved)
-    assert default.compression_space == "preconditioned"
-    assert any("compression_space 'preconditioned' restored from the checkpoint" in r.message for r in caplog.records)
+    assert default.compression_space == "momentum"
+    assert any("compression_space 'momentum' restored from the checkpoint" in r.message for r in caplog.records)
+    older = {**saved, "param_groups": [{**g, "onebit": {k: v for k, v in g["onebit"].items() if k != "compression_space"}}
+                                       for g in saved["param_groups"]]}
+    fresh = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local")
+    fresh.load_state_dict(older)
+    assert fresh.compression_space == "momentum"
 
 
 def test_an_unknown_space_is_refused():

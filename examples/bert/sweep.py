@@ -14,9 +14,16 @@ The runs:
   (``lr 1e-3, weight_decay 0.01``; no bias correction, betas (0.9, 0.999)), ``freeze_step`` 1e9
   (Adam) and 20% of the steps;
 * ``demo_adam`` / ``demo_onebit``: the demo's ``configs/adam.json`` / ``configs/onebit_gloo.json``;
+* ``lamb`` / ``lamb_onebit``: LAMB and 1-bit LAMB, ``configs/onebit_lamb_gloo.json`` (its
+  ``freeze_step`` 100; LAMB with 1e9); ``lamb98`` / ``lamb98_onebit``: the same with betas (0.9, 0.98);
+* ``zo_demo``: 0/1 Adam, ``configs/zoadam_gloo.json`` (``var_freeze_step`` 20% of the steps);
+  ``zo_ds`` / ``zo_ds16``: 0/1 Adam with a DeepSpeed-like schedule (``lr 1e-3``, betas (0.9, 0.98),
+  ``weight_decay 0.01``, no bias correction, ``var_freeze_step`` 20%, ``var_update_scaler`` 8 / 16,
+  ``local_step_scaler`` 60, ``local_step_clipper`` 8); all three against ``demo_adam``;
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
-* ``*_pre``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit all-reduce
-  averages ``m / (sqrt(v) + eps)`` instead of ``m``).
+* ``*_pre`` / ``*_mom``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit
+  all-reduce averages ``m / (sqrt(v) + eps)``; the default of 1-bit Adam and 1-bit LAMB) /
+  ``"momentum"`` (it averages ``m``: DeepSpeed's numerics, the default before 2026-11-26).
 """
 
 from __future__ import annotations
@@ -34,24 +41,36 @@ from compare import launch  # noqa: E402
 
 DEEPSPEED_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.01, "comm_backend_name": "gloo"}
 DEMO = json.loads((HERE / "configs" / "onebit_gloo.json").read_text())["optimizer"]["params"]
+LAMB = json.loads((HERE / "configs" / "onebit_lamb_gloo.json").read_text())["optimizer"]["params"]
+ZOADAM = json.loads((HERE / "configs" / "zoadam_gloo.json").read_text())["optimizer"]["params"]
 
 
-def configs(steps: int) -> dict[str, tuple[dict, str]]:
-    """name -> (optimizer params, name of the Adam run it compares with)."""
+def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
+    """name -> (optimizer params, name of the baseline run it compares with, optimizer type)."""
     freeze = max(1, round(0.2 * steps))
+    zo_ds = {**DEEPSPEED_DEFAULTS, "betas": [0.9, 0.98], "var_freeze_step": freeze, "var_update_scaler": 8,
+             "local_step_scaler": 60, "local_step_clipper": 8}
     runs = {
-        "ds_adam": ({**DEEPSPEED_DEFAULTS, "freeze_step": 10**9}, "ds_adam"),
-        "ds_onebit": ({**DEEPSPEED_DEFAULTS, "freeze_step": freeze}, "ds_adam"),
-        "demo_adam": ({**DEMO, "freeze_step": 10**9}, "demo_adam"),
-        "demo_onebit": ({**DEMO, "freeze_step": freeze}, "demo_adam"),
+        "ds_adam": ({**DEEPSPEED_DEFAULTS, "freeze_step": 10**9}, "ds_adam", "OneBitAdam"),
+        "ds_onebit": ({**DEEPSPEED_DEFAULTS, "freeze_step": freeze}, "ds_adam", "OneBitAdam"),
+        "demo_adam": ({**DEMO, "freeze_step": 10**9}, "demo_adam", "OneBitAdam"),
+        "demo_onebit": ({**DEMO, "freeze_step": freeze}, "demo_adam", "OneBitAdam"),
+        "lamb": ({**LAMB, "freeze_step": 10**9}, "lamb", "OneBitLamb"),
+        "lamb_onebit": (LAMB, "lamb", "OneBitLamb"),
+        "lamb98": ({**LAMB, "betas": [0.9, 0.98], "freeze_step": 10**9}, "lamb98", "OneBitLamb"),
+        "lamb98_onebit": ({**LAMB, "betas": [0.9, 0.98]}, "lamb98", "OneBitLamb"),
+        "zo_demo": ({**ZOADAM, "var_freeze_step": freeze}, "demo_adam", "ZeroOneAdam"),
+        "zo_ds": (zo_ds, "demo_adam", "ZeroOneAdam"),
+        "zo_ds16": ({**zo_ds, "var_update_scaler": 16}, "demo_adam", "ZeroOneAdam"),
     }
     for block in (128, 1024, 4096):
         for base in ("ds", "demo"):
-            params, adam = runs[f"{base}_onebit"]
-            runs[f"{base}_onebit_block{block}"] = ({**params, "scale_block_size": block}, adam)
-    for name, (params, adam) in list(runs.items()):
-        if "onebit" in name:
-            runs[f"{name}_pre"] = ({**params, "compression_space": "preconditioned"}, adam)
+            params, adam, kind = runs[f"{base}_onebit"]
+            runs[f"{base}_onebit_block{block}"] = ({**params, "scale_block_size": block}, adam, kind)
+    for name, (params, adam, kind) in list(runs.items()):
+        if name != adam:  # a 1-bit run
+            runs[f"{name}_pre"] = ({**params, "compression_space": "preconditioned"}, adam, kind)
+            runs[f"{name}_mom"] = ({**params, "compression_space": "momentum"}, adam, kind)
     return runs
 
 
@@ -105,11 +124,11 @@ def main() -> None:
     out = Path(args.out)
     results = {}
     for name in args.runs:
-        params, _ = runs[name]
+        params, _, kind = runs[name]
         run_dir = out / name
         run_dir.mkdir(parents=True, exist_ok=True)
         config = run_dir / "config.json"
-        config.write_text(json.dumps({"optimizer": {"type": "OneBitAdam", "params": params}}, indent=2))
+        config.write_text(json.dumps({"optimizer": {"type": kind, "params": params}}, indent=2))
         if not (run_dir / "summary.json").exists():
             launch(["--config", str(config), "--out", str(run_dir), "--steps", str(args.steps), "--no-progress",
                     *passthrough], args.world_size, run_dir, timeout=args.timeout, quiet=True)
