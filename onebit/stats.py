@@ -11,6 +11,7 @@ exchange sends from one rank), so they compare across transports:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -181,9 +182,10 @@ def timed_kernels(kernels: KernelSet, timed: Callable[[str], AbstractContextMana
             with timed(label):
                 return fn(*args, **kwargs)
         return run
-    return KernelSet(kernels.name, wrap("codec_worker", kernels.worker_compress_),
-                     wrap("codec_server", kernels.server_compress_), wrap("codec_decode", kernels.decode_),
-                     kernels.separate_errors)
+    # (replace: what the kernels can do, separate_errors and multipliers, stays as it was)
+    return dataclasses.replace(kernels, worker_compress_=wrap("codec_worker", kernels.worker_compress_),
+                               server_compress_=wrap("codec_server", kernels.server_compress_),
+                               decode_=wrap("codec_decode", kernels.decode_))
 
 
 class StepTimers:

@@ -4,6 +4,7 @@ subclass fills in, and the package's import hygiene."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,17 @@ def test_timers_see_every_part_of_a_compression_step(cls):
                          "codec_decode", "update"}
     with pytest.raises(TypeError, match="timer must be callable, got int"):
         opt.register_timer(3)
+
+
+def test_timers_keep_what_the_kernels_can_do():
+    """Timed kernels keep ``separate_errors`` and ``multipliers``: without them a timed run would
+    take the slower paths it is meant to measure (copies of the errors, the preconditioned space's
+    multiplies in passes of their own)."""
+    from onebit.kernels import REFERENCE
+    from onebit.stats import timed_kernels
+    timed = timed_kernels(REFERENCE, lambda label: contextlib.nullcontext())
+    assert (timed.name, timed.separate_errors, timed.multipliers) == (REFERENCE.name, True, True)
+    assert timed.worker_compress_ is not REFERENCE.worker_compress_
 
 
 def test_the_parts_are_profiler_ranges():
