@@ -18,18 +18,17 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from onebit import OnebitAdam
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from local_ranks import run_local_ranks  # noqa: E402
 from peers import make_model  # noqa: E402
 
 
@@ -105,11 +104,7 @@ def main() -> None:
     parser.add_argument("--compression-space", default="momentum", choices=("momentum", "preconditioned"))
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "profile.json")
-        mp.start_processes(_rank, args=(args.world_size, args, os.path.join(tmp, "store"), raw),
-                           nprocs=args.world_size, start_method="spawn")
-        result = json.loads(Path(raw).read_text())
+    result = run_local_ranks(_rank, args.world_size, args)
     lines = [f"OnebitAdam compression step (compression_space={args.compression_space!r}), {result['numel'] / 1e6:.1f}M params, {result['world_size']} gloo ranks "
              f"(loopback), rank 0, mean of {args.steps} profiled steps: {result['step_ms']:.0f} ms; load average "
              f"{result['load_average_1min']:.2f}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",

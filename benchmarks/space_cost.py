@@ -22,18 +22,17 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from onebit import OnebitAdam, OnebitLamb
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from local_ranks import run_local_ranks  # noqa: E402
 from peers import make_model  # noqa: E402
 
 OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
@@ -115,11 +114,7 @@ def main() -> None:
                         help="add the preconditioned space with the multiplies in passes of their own")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "result.json")
-        mp.start_processes(_rank, args=(args.world_size, args, os.path.join(tmp, "store"), raw),
-                           nprocs=args.world_size, start_method="spawn")
-        result = json.loads(Path(raw).read_text())
+    result = run_local_ranks(_rank, args.world_size, args)
     result.update(machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     lines = [f"{type_name(args.optimizer)} compression steps, {result['numel'] / 1e6:.1f}M parameters, "

@@ -17,15 +17,17 @@ import json
 import os
 import platform
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from onebit import OnebitAdam
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_ranks import run_local_ranks  # noqa: E402
 
 
 def _model(params: float, width: int) -> torch.nn.Module:
@@ -80,11 +82,7 @@ def main() -> None:
     parser.add_argument("--kernels", default=None, help="codec implementation (default: auto)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_time.json"))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "result.json")
-        mp.start_processes(_rank, args=(args.world_size, args, os.path.join(tmp, "store"), raw),
-                           nprocs=args.world_size, start_method="spawn")
-        result = json.loads(Path(raw).read_text())
+    result = run_local_ranks(_rank, args.world_size, args)
     n, numel = result["world_size"], result["numel"]
     ideal = 2 * (n - 1) / n * numel / 8
     fp32 = 2 * (n - 1) / n * numel * 4

@@ -138,3 +138,18 @@ def descend_(bucket: Bucket, momenta: list[torch.Tensor], denominators: list[tor
         if weight_decay != 0:
             u.add_(p, alpha=weight_decay)
         p.add_(u.to(p.dtype), alpha=-lr)
+
+
+def step_by_(bucket: Bucket, updates: list[torch.Tensor], lr: float, weight_decay: float, scale: float = 1.0) -> None:
+    """``p <- p * (1 - lr * weight_decay) - lr * scale * u`` for each of the bucket's parameters
+    and its update ``u`` (float32, the parameter's shape): :func:`descend_` for a ready update."""
+    if bucket.same_dtype:
+        if weight_decay != 0:
+            torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
+        torch._foreach_add_(bucket.params, updates, alpha=-lr * scale)
+        return
+    for p, u in zip(bucket.params, updates):
+        step = u * scale
+        if weight_decay != 0:
+            step.add_(p, alpha=weight_decay)
+        p.add_(step.to(p.dtype), alpha=-lr)

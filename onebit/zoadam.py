@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from . import functional as F
-from .adam import adam_step_, descend_
+from .adam import adam_step_, descend_, step_by_
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
-from .validation import DEEPSPEED_COMMON_REFUSED, check_compression_space, check_flag, check_int
+from .validation import DEEPSPEED_COMMON_REFUSED, check_compression_space, check_flag, check_int, check_number
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,14 @@ class ZeroOneAdam(OnebitOptimizer):
         compression_space: ``"momentum"`` (default, DeepSpeed's numerics: gradients and
             ``u (sqrt(v) + eps)`` are averaged) or ``"preconditioned"``: ``g / (sqrt(v) + eps)`` and
             ``u`` are, so that a coordinate's 1-bit error is in units of Adam's step there.
+        update_bound: ``None`` (default, DeepSpeed's numerics) or ``c > 0``: on the steps whose
+            variance was not updated with them (phase 1's compressed-gradient steps, phase 2's
+            local steps), each coordinate's ``m_hat / (sqrt(v_hat) + eps)`` is clamped to
+            ``+-c B``, ``B = (1 - beta1) / sqrt((1 - beta2) (1 - beta1**2 / beta2))``: the largest
+            ``|m_hat / sqrt(v_hat)|`` Adam reaches when it updates ``v`` on every step
+            (Cauchy-Schwarz; 1.70 for betas (0.9, 0.98), 7.27 for (0.9, 0.999)), so that no
+            coordinate moves further than Adam could; a 1-bit gradient over a stale, tiny
+            variance otherwise moves it by thousands of ``lr``. Not saved in state dicts.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -165,9 +174,16 @@ class ZeroOneAdam(OnebitOptimizer):
         *,
         bias_correction: bool = False,
         compression_space: str = "momentum",
+        update_bound: float | None = None,
         **options: Any,
     ) -> None:
         check_compression_space(compression_space)
+        if update_bound is not None:
+            check_number("update_bound", update_bound, low=0.0)
+            if update_bound == 0:
+                raise ValueError("invalid update_bound: 0 would keep every parameter still; give a number > 0 "
+                                 "(1: Adam's own largest step) or None for no bound")
+        self.update_bound = update_bound
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                         compression_space=compression_space)
@@ -311,7 +327,12 @@ class ZeroOneAdam(OnebitOptimizer):
             if preconditioned:  # the averaged gradient, from its average over d
                 averaged.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             m.lerp_(averaged, 1 - group["betas"][0])
-            descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, group["lr"], group["weight_decay"], bc1)
+            bounded = self._bounded(bucket, group, bc1)
+            if bounded is None:
+                descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, group["lr"],
+                         group["weight_decay"], bc1)
+            else:
+                step_by_(bucket, bounded, group["lr"], group["weight_decay"], 1 / bc1)
             return
         # A sync: every input below is the same on every rank, so are the parameters after it.
         lr_sum = bucket.scalars["lr_sum"]
@@ -365,9 +386,26 @@ class ZeroOneAdam(OnebitOptimizer):
         if weight_decay != 0:
             torch._foreach_add_(u, [p.float() for p in bucket.params] if not bucket.same_dtype else bucket.params,
                                 alpha=-lr * weight_decay)
-        torch._foreach_addcdiv_(u, bucket.views["exp_avg"], bucket.derived.denominators, value=-lr / bc1)
-        descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, lr, weight_decay, bc1)
+        bounded = self._bounded(bucket, group, bc1)
+        if bounded is None:
+            torch._foreach_addcdiv_(u, bucket.views["exp_avg"], bucket.derived.denominators, value=-lr / bc1)
+            descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, lr, weight_decay, bc1)
+        else:
+            torch._foreach_add_(u, bounded, alpha=-lr / bc1)
+            step_by_(bucket, bounded, lr, weight_decay, 1 / bc1)
         bucket.scalars["lr_sum"].add_(lr)
+
+    def _bounded(self, bucket: Bucket, group: dict[str, Any], bc1: float) -> list[torch.Tensor] | None:
+        """With ``update_bound``: per parameter, ``m / d`` clamped to ``+-update_bound B bc1`` (so
+        that ``(m / bc1) / d`` is within ``+-update_bound B``), in a buffer of its own; else None."""
+        if self.update_bound is None:
+            return None
+        beta1, beta2 = group["betas"]
+        if beta1 * beta1 >= beta2:  # Adam's own ratio is unbounded then
+            return None
+        bound = self.update_bound * (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2)) * bc1
+        ratio = torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator, out=bucket.scratch("bounded"))
+        return bucket.view(ratio.clamp_(-bound, bound))
 
     def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """A local step this rank skipped (non-finite gradients): its accumulator and parameters

@@ -886,3 +886,67 @@ def test_bias_correction_in_phase_one_is_adam_s():
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0][0], runs[2][0])
     assert "bias_correction" in ZeroOneAdam.__init__.__kwdefaults__  # keyword-only, off by default
+
+
+# ----------------------------------------------------------------------------- update_bound (issue 27)
+
+
+def _bounded_run(update_bound, steps: int = 24, rare: float = 1e-4, bias_correction: bool = False):
+    """One rank: a tensor of 400 coordinates, 8 of them rare (gradients ``rare`` times the others',
+    so a tiny variance), through phase 1 (variance steps 1, 2, 4, ...: ``var_update_scaler`` 1) and
+    phase 2. Returns the parameters before and after every step, and each step's plan."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(400))
+    opt = ZeroOneAdam([p], lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01, var_freeze_step=12, var_update_scaler=1,
+                      local_step_scaler=4, local_step_clipper=4, comm_backend_name="local",
+                      bias_correction=bias_correction, update_bound=update_bound)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        g = torch.randn(400, generator=gen)
+        g[:8] *= rare
+        p.grad = g
+        plan = opt.next_plan.name
+        before = p.detach().clone()
+        opt.step()
+        out.append((plan, before, p.detach().clone()))
+    return out
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_update_bound_keeps_every_step_within_adams_largest(bias_correction):
+    """On compressed-gradient and local steps, ``|p_new - p (1 - lr wd)| <= lr c B`` per coordinate
+    (``B = (1 - b1) / sqrt((1 - b2)(1 - b1^2 / b2))``); without the bound the rare coordinates,
+    whose variance is tiny and stale, move by far more than that."""
+    lr, wd, (b1, b2) = 1e-3, 0.01, (0.9, 0.98)
+    limit = (1 - b1) / ((1 - b2) * (1 - b1 * b1 / b2)) ** 0.5
+    largest = {}
+    for bound in (None, 1.0, 0.5):
+        worst = 0.0
+        for plan, before, after in _bounded_run(bound, bias_correction=bias_correction):
+            if plan in ("compressed_gradient", "local"):
+                # (less 2 float32 roundings of the parameter, in lr units: a sync can make one large)
+                rounding = 2 * 2.0**-23 * before.abs() / lr
+                worst = max(worst, float(((after - before * (1 - lr * wd)).abs() / lr - rounding).max()))
+        largest[bound] = worst
+    assert largest[1.0] <= limit and largest[0.5] <= 0.5 * limit, largest
+    assert largest[None] > 20 * limit, largest  # (the hazard the bound is for)
+    assert largest[1.0] > 0.9 * limit, largest  # (the bound binds: the check is not vacuous)
+
+
+def test_a_large_update_bound_changes_nothing_but_rounding():
+    plain, bounded = _bounded_run(None), _bounded_run(1e30)
+    assert [plan for plan, _, _ in plain] == [plan for plan, _, _ in bounded]
+    for (_, _, a), (_, _, b) in zip(plain, bounded):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (0, ValueError, "invalid update_bound: 0 would keep every parameter still"),
+    (-1.0, ValueError, r"invalid update_bound: -1.0; it must be finite and >= 0.0"),
+    (float("inf"), ValueError, "invalid update_bound: inf"),
+    ("1", TypeError, "update_bound must be a real number, got '1'"),
+])
+def test_a_bad_update_bound_is_refused(value, error, match):
+    with pytest.raises(error, match=match):
+        ZeroOneAdam([torch.nn.Parameter(torch.zeros(4))], comm_backend_name="local", update_bound=value)

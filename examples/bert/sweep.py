@@ -20,6 +20,8 @@ The runs:
   ``zo_ds`` / ``zo_ds16``: 0/1 Adam with a DeepSpeed-like schedule (``lr 1e-3``, betas (0.9, 0.98),
   ``weight_decay 0.01``, no bias correction, ``var_freeze_step`` 20%, ``var_update_scaler`` 8 / 16,
   ``local_step_scaler`` 60, ``local_step_clipper`` 8); all three against ``demo_adam``;
+  ``zo_ds_adam``: Adam with ``zo_ds``'s settings (no bias correction, betas (0.9, 0.98));
+* ``zo_*_bound``: those with ``update_bound = 1`` (no coordinate steps further than Adam could);
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_pre`` / ``*_mom``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit
   all-reduce averages ``m / (sqrt(v) + eps)``; the default of 1-bit Adam and 1-bit LAMB) /
@@ -60,6 +62,7 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         "lamb98": ({**LAMB, "betas": [0.9, 0.98], "freeze_step": 10**9}, "lamb98", "OneBitLamb"),
         "lamb98_onebit": ({**LAMB, "betas": [0.9, 0.98]}, "lamb98", "OneBitLamb"),
         "zo_demo": ({**ZOADAM, "var_freeze_step": freeze}, "demo_adam", "ZeroOneAdam"),
+        "zo_ds_adam": ({**DEEPSPEED_DEFAULTS, "betas": [0.9, 0.98], "freeze_step": 10**9}, "zo_ds_adam", "OneBitAdam"),
         "zo_ds": (zo_ds, "demo_adam", "ZeroOneAdam"),
         "zo_ds16": ({**zo_ds, "var_update_scaler": 16}, "demo_adam", "ZeroOneAdam"),
     }
@@ -67,6 +70,9 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         for base in ("ds", "demo"):
             params, adam, kind = runs[f"{base}_onebit"]
             runs[f"{base}_onebit_block{block}"] = ({**params, "scale_block_size": block}, adam, kind)
+    for name in ("zo_demo", "zo_ds", "zo_ds16"):
+        params, adam, kind = runs[name]
+        runs[f"{name}_bound"] = ({**params, "update_bound": 1.0}, adam, kind)
     for name, (params, adam, kind) in list(runs.items()):
         if name != adam:  # a 1-bit run
             runs[f"{name}_pre"] = ({**params, "compression_space": "preconditioned"}, adam, kind)
@@ -79,17 +85,22 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+# The plans that send 1-bit: 1-bit Adam's and LAMB's, 0/1 Adam's (the KiB column averages over them).
+COMPRESSED_PLANS = ("compression", "compressed_gradient", "sync")
+
+
 def summarize(name: str, run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
-    compression = [r for r in _records(run_dir) if r.get("event") == "train" and r.get("phase") == "compression"]
+    compressed = [k for k in COMPRESSED_PLANS if k in summary["comm_stats"]]
+    compression = [r for r in _records(run_dir) if r.get("event") == "train" and r.get("phase") in compressed]
     stats = summary["comm_stats"]
-    steps = stats["compression"]["steps"]
+    steps = sum(stats[k]["steps"] for k in compressed)
     return {
         "name": name,
         "final_val_loss": summary.get("final_val_loss"),
         "status": summary.get("status"),
         "skipped_steps": summary.get("skipped_steps"),
-        "kib_per_compression_step": stats["compression"]["bytes_sent"] / steps / 1024 if steps else None,
+        "kib_per_compression_step": sum(stats[k]["bytes_sent"] for k in compressed) / steps / 1024 if steps else None,
         "mean_worker_error_norm": (sum(r["worker_error_norm"] for r in compression) / len(compression)
                                    if compression and "worker_error_norm" in compression[0] else None),
         "mean_error_to_momentum": (sum(r["error_to_momentum"] for r in compression if r.get("error_to_momentum"))
