@@ -343,7 +343,11 @@ class ZeroOneAdam(OnebitOptimizer):
                 if total <= 0:
                     u_view.zero_()
         theta = bucket.buffers["sync_point"]
-        if preconditioned:
+        if self.update_bound is not None:
+            theta.add_(self._bounded_sync(bucket, group, averaged, denominator, totals, bc1))
+            if preconditioned:
+                averaged.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        elif preconditioned:
             theta.add_(averaged)
             averaged.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # in momentum space, for m
         else:
@@ -406,6 +410,27 @@ class ZeroOneAdam(OnebitOptimizer):
         bound = self.update_bound * (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2)) * bc1
         ratio = torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator, out=bucket.scratch("bounded"))
         return bucket.view(ratio.clamp_(-bound, bound))
+
+    def _bounded_sync(self, bucket: Bucket, group: dict[str, Any], averaged: torch.Tensor, denominator: torch.Tensor,
+                      totals: list[float], bc1: float) -> torch.Tensor:
+        """A sync's move of the sync point, ``avg(u d) / d`` (or ``avg(u)``), clamped per coordinate
+        to what the local steps since the last sync could move it by: ``sum(lr) (update_bound B
+        / bc1 + weight_decay |theta|)`` (the 1-bit average of a rare coordinate's accumulator is
+        the segment's scale, which a tiny ``d`` would turn into a jump)."""
+        beta1, beta2 = group["betas"]
+        move = bucket.scratch("bounded")
+        if self.compression_space == "preconditioned":
+            move.copy_(averaged)
+        else:
+            torch.div(averaged, denominator, out=move).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if beta1 * beta1 >= beta2:
+            return move
+        bound = self.update_bound * (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2)) / bc1
+        limit = bucket.scratch("limit")
+        torch.mul(bucket.buffers["sync_point"].abs(), group["weight_decay"], out=limit).add_(bound)
+        for total, view in zip(totals, bucket.view(limit)):
+            view.mul_(max(total, 0.0))
+        return move.clamp_(min=limit.neg(), max=limit)
 
     def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """A local step this rank skipped (non-finite gradients): its accumulator and parameters

@@ -894,7 +894,8 @@ def test_bias_correction_in_phase_one_is_adam_s():
 def _bounded_run(update_bound, steps: int = 24, rare: float = 1e-4, bias_correction: bool = False):
     """One rank: a tensor of 400 coordinates, 8 of them rare (gradients ``rare`` times the others',
     so a tiny variance), through phase 1 (variance steps 1, 2, 4, ...: ``var_update_scaler`` 1) and
-    phase 2. Returns the parameters before and after every step, and each step's plan."""
+    phase 2. Returns each step's plan, the parameters before and after it, and the sync point
+    before it (None in phase 1)."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(400))
     opt = ZeroOneAdam([p], lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01, var_freeze_step=12, var_update_scaler=1,
@@ -908,8 +909,9 @@ def _bounded_run(update_bound, steps: int = 24, rare: float = 1e-4, bias_correct
         p.grad = g
         plan = opt.next_plan.name
         before = p.detach().clone()
+        theta = opt.state[p]["sync_point"].clone() if "sync_point" in opt.state[p] else None
         opt.step()
-        out.append((plan, before, p.detach().clone()))
+        out.append((plan, before, p.detach().clone(), theta))
     return out
 
 
@@ -923,7 +925,7 @@ def test_update_bound_keeps_every_step_within_adams_largest(bias_correction):
     largest = {}
     for bound in (None, 1.0, 0.5):
         worst = 0.0
-        for plan, before, after in _bounded_run(bound, bias_correction=bias_correction):
+        for plan, before, after, _ in _bounded_run(bound, bias_correction=bias_correction):
             if plan in ("compressed_gradient", "local"):
                 # (less 2 float32 roundings of the parameter, in lr units: a sync can make one large)
                 rounding = 2 * 2.0**-23 * before.abs() / lr
@@ -934,10 +936,29 @@ def test_update_bound_keeps_every_step_within_adams_largest(bias_correction):
     assert largest[1.0] > 0.9 * limit, largest  # (the bound binds: the check is not vacuous)
 
 
+def test_update_bound_keeps_a_sync_within_what_its_local_steps_could_move():
+    """A sync moves the sync point by the 1-bit average of the accumulated updates; with the bound,
+    by at most ``sum(lr) (B + wd |theta|)`` per coordinate (at most 4 steps of lr here: the
+    clipper), where a rare coordinate's 1-bit average over a tiny ``d`` jumps without it."""
+    lr, wd, (b1, b2) = 1e-3, 0.01, (0.9, 0.98)
+    limit = (1 - b1) / ((1 - b2) * (1 - b1 * b1 / b2)) ** 0.5
+    largest = {}
+    for bound in (None, 1.0):
+        worst = 0.0
+        for plan, before, after, theta in _bounded_run(bound, steps=40):
+            if plan == "sync":  # (the parameters are the new sync point after it)
+                theta = before if theta is None else theta  # (phase 2's first step: its sync point)
+                allowed = 4 * (limit + wd * theta.abs()) + 2 * 2.0**-23 * theta.abs() / lr
+                worst = max(worst, float(((after - theta).abs() / lr - allowed).max()))
+        largest[bound] = worst
+    assert largest[1.0] <= 0, largest
+    assert largest[None] > 100, largest
+
+
 def test_a_large_update_bound_changes_nothing_but_rounding():
     plain, bounded = _bounded_run(None), _bounded_run(1e30)
-    assert [plan for plan, _, _ in plain] == [plan for plan, _, _ in bounded]
-    for (_, _, a), (_, _, b) in zip(plain, bounded):
+    assert [plan for plan, *_ in plain] == [plan for plan, *_ in bounded]
+    for (_, _, a, _), (_, _, b, _) in zip(plain, bounded):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
 
 
