@@ -71,6 +71,9 @@ class CompressionState:
         self.next_worker_error: torch.Tensor | None = None
         self.next_server_error: torch.Tensor | None = None
         self.staged: set[str] = set()
+        # The input times a multiplier, for kernels that cannot multiply as they read (allocated at
+        # the first such stage; see start_worker_).
+        self.scaled_input: torch.Tensor | None = None
 
     def reset_errors_(self) -> None:
         """Zero both error-feedback buffers (after a checkpoint load or a change of layout)."""
@@ -134,10 +137,9 @@ def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBa
         if kernels.multipliers and isinstance(state, CompressionState):
             scaled = {"multiplier": multiplier}
         else:  # a pass of its own, into a buffer the state keeps
-            scaled_input = getattr(state, "scaled_input", None)
-            if scaled_input is None or scaled_input.shape != buffer.shape:
-                scaled_input = state.scaled_input = torch.empty_like(buffer)
-            buffer = torch.mul(buffer, multiplier, out=scaled_input)
+            if state.scaled_input is None or state.scaled_input.shape != buffer.shape:
+                state.scaled_input = torch.empty_like(buffer)
+            buffer = torch.mul(buffer, multiplier, out=state.scaled_input)
     if not isinstance(state, CompressionState):
         if staged:
             raise ValueError("a two-level compressed all-reduce cannot be staged")

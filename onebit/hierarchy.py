@@ -178,6 +178,7 @@ class TwoLevelState:
         self.world_size = n
         self.segments = len(edges) - 1
         self.bounds = torch.tensor(list(edges), dtype=torch.int64)
+        self.scaled_input: torch.Tensor | None = None  # (as CompressionState's)
         self.shard_bounds = torch.div(self.bounds, local, rounding_mode="floor")  # the shard's own segments
         self.runs = _runs(edges)
         shard = padded // local
