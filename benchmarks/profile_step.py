@@ -105,7 +105,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     result = run_local_ranks(_rank, args.world_size, args)
-    lines = [f"OnebitAdam compression step (compression_space={args.compression_space!r}), {result['numel'] / 1e6:.1f}M params, {result['world_size']} gloo ranks "
+    lines = [f"OnebitAdam compression step (compression_space={args.compression_space!r}), "
+             f"{result['numel'] / 1e6:.1f}M params, {result['world_size']} gloo ranks "
              f"(loopback), rank 0, mean of {args.steps} profiled steps: {result['step_ms']:.0f} ms; load average "
              f"{result['load_average_1min']:.2f}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
              "", "| op | under | ms/step | share |", "|---|---|---:|---:|"]

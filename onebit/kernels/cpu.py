@@ -202,7 +202,8 @@ class CpuKernels:
         eo = es if target is error else flat_float(target)
         out = byte_rows(packed, output=True)
         scales = torch.empty(k, dtype=torch.float32)
-        self.lib.onebit_cpu_worker(xs.data_ptr(), None if ms is None else ms.data_ptr(), es.data_ptr(), eo.data_ptr(), total, table.data_ptr(), k, nrows,
+        self.lib.onebit_cpu_worker(xs.data_ptr(), None if ms is None else ms.data_ptr(), es.data_ptr(), eo.data_ptr(),
+                                   total, table.data_ptr(), k, nrows,
                                    out.tensor.data_ptr(), out.row_len, out.row_stride, scales.data_ptr(),
                                    torch.get_num_threads())
         out.finish_()
