@@ -16,6 +16,7 @@ pass: the same maths, rounded differently.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -123,3 +124,13 @@ def lamb_factor(max_ratio: torch.Tensor, prelim_norms: torch.Tensor | None, upda
         factor = factor * r + (1.0 - r)
     factor = factor.clamp(factor_min, factor_max)
     return torch.minimum(torch.maximum(factor, last_factor * (1 - threshold)), last_factor * (1 + threshold))
+
+
+def adam_largest_ratio(beta1: float, beta2: float) -> float | None:
+    """The largest ``|m / sqrt(v)|`` Adam reaches (without bias correction, ``v`` updated on every
+    step, any gradients): ``(1 - beta1) / sqrt((1 - beta2) (1 - beta1**2 / beta2))``, by
+    Cauchy-Schwarz over ``m = (1 - beta1) sum beta1^k g_k`` and ``v = (1 - beta2) sum beta2^k g_k^2``
+    (1.70 for betas (0.9, 0.98), 7.27 for (0.9, 0.999)); None when ``beta1**2 >= beta2`` (unbounded)."""
+    if beta1 * beta1 >= beta2:
+        return None
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
