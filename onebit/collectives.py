@@ -134,7 +134,7 @@ def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBa
     stages on its own groups, as do the two functions below; not staged.)"""
     scaled = {}
     if multiplier is not None:
-        if kernels.multipliers and isinstance(state, CompressionState):
+        if _fuses(kernels, state):
             scaled = {"multiplier": multiplier}
         else:  # a pass of its own, into a buffer the state keeps
             if state.scaled_input is None or state.scaled_input.shape != buffer.shape:
@@ -184,7 +184,7 @@ def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet,
     the packed bits ``keep``, if given, are clear: see :func:`onebit.kernels.reference.decode_`),
     multiplied by ``multiplier`` if given (in the decode's pass where the kernels can)."""
     _expect_stage(state, 2, "finish_", "start_server_")
-    fused = multiplier is not None and kernels.multipliers and isinstance(state, CompressionState)
+    fused = multiplier is not None and _fuses(kernels, state)
     if not isinstance(state, CompressionState):
         state.finish_(buffer, kernels, keep)
     else:
@@ -196,6 +196,11 @@ def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet,
     if multiplier is not None and not fused:  # a pass of its own (a kept +0.0 stays +0.0: multipliers are >= 0)
         buffer.mul_(multiplier)
     return buffer
+
+
+def _fuses(kernels: KernelSet, state: CompressionState) -> bool:
+    """Whether the codec multiplies as it reads and writes (else a pass of its own does)."""
+    return kernels.multipliers and isinstance(state, CompressionState)
 
 
 def _errors(kernels: KernelSet, state: CompressionState, which: str, staged: bool) -> tuple[torch.Tensor, dict]:
