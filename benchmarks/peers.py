@@ -9,6 +9,7 @@ order rotated by ``r``), so that a change of load on the machine hits every conf
   + Adam;
 * ``onebit_warmup``: ``OnebitAdam`` in its warmup phase (it all-reduces the gradients itself);
 * ``onebit_compression``: ``OnebitAdam`` in its compression phase (``kernels='auto'``);
+* ``onebit_warmup_bf16`` (optional): the warmup with ``reduce_dtype=torch.bfloat16`` (half the bytes);
 * ``onebit_compression_momentum`` (optional): the same with ``compression_space="momentum"``
   (DeepSpeed's numerics; the default before 2026-11-26);
 * ``onebit_ddp_compression`` (optional): DDP + ``attach_ddp`` + OnebitAdam in compression;
@@ -79,7 +80,7 @@ for _name in ("zoadam_phase1", "zoadam_compressed_gradient"):
     ZOADAM_PARTS[_name + "_overlap"] = tuple((part + "_overlap", kind, before) for part, kind, before in ZOADAM_PARTS[_name])
 OVERLAP_CONFIGS = ("onebit_warmup_overlap", "onebit_compression_overlap", "zoadam_phase1_overlap",
                    "zoadam_compressed_gradient_overlap")
-ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS + OVERLAP_CONFIGS + ("onebit_compression_momentum",)
+ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS + OVERLAP_CONFIGS + ("onebit_compression_momentum", "onebit_warmup_bf16")
 COUNTER_FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
 
 
@@ -162,9 +163,10 @@ class Config:
                                                start_powerSGD_iter=2, random_seed=0)
                 self.forward.register_comm_hook(state, serialized_powersgd_hook)
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
-        elif name in ("onebit_warmup", "onebit_warmup_overlap"):
+        elif name in ("onebit_warmup", "onebit_warmup_overlap", "onebit_warmup_bf16"):
             self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=10**9, comm_backend_name="gloo",
-                                        overlap_backward=name.endswith("_overlap"), **buckets)
+                                        overlap_backward=name.endswith("_overlap"), **buckets,
+                                        reduce_dtype=torch.bfloat16 if name.endswith("_bf16") else None)
         elif name in ("onebit_compression", "onebit_compression_overlap", *ONEBIT_DDP_CONFIGS):
             self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=2, comm_backend_name="gloo",
                                         kernels=args.kernels, overlap_backward=name.endswith("_overlap"), **buckets)

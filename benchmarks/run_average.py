@@ -38,6 +38,8 @@ OPTIMIZERS = {
     "onebit": ("OnebitAdam (1-bit Adam)", {"warmup": "onebit_warmup", "compression": "onebit_compression"}),
     "onebit_overlap": ("OnebitAdam, overlap_backward", {"warmup": "onebit_warmup_overlap",
                                                         "compression": "onebit_compression_overlap"}),
+    "onebit_bf16": ("OnebitAdam, reduce_dtype=torch.bfloat16", {"warmup": "onebit_warmup_bf16",
+                                                                "compression": "onebit_compression"}),
     "zoadam": ("ZeroOneAdam (0/1 Adam)", {
         "variance": "zoadam_variance",
         "compressed_gradient_after_variance": "zoadam_compressed_gradient_after_variance",
@@ -100,6 +102,7 @@ def schedule_counts(schedule: dict[str, int]) -> dict:
         "adam": {"step": steps},
         "onebit": {kind: ob.get(kind, 0) for kind in OPTIMIZERS["onebit"][1]},
         "onebit_overlap": {kind: ob.get(kind, 0) for kind in OPTIMIZERS["onebit"][1]},
+        "onebit_bf16": {kind: ob.get(kind, 0) for kind in OPTIMIZERS["onebit"][1]},
         "zoadam": {kind: zo.get(kind, 0) for kind in OPTIMIZERS["zoadam"][1]},
         "zoadam_overlap": {kind: zo.get(kind, 0) for kind in OPTIMIZERS["zoadam"][1]},
         "zoadam_sync_after_variance": sync_after_variance,

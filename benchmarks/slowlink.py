@@ -57,6 +57,7 @@ LABELS = {
     "onebit_compression": "OnebitAdam compression",
     "onebit_compression_momentum": "OnebitAdam compression, compression_space='momentum'",
     "onebit_warmup_overlap": "OnebitAdam warmup, overlap_backward",
+    "onebit_warmup_bf16": "OnebitAdam warmup, reduce_dtype=torch.bfloat16",
     "onebit_compression_overlap": "OnebitAdam compression, overlap_backward",
     "onebit_ddp_compression": "DDP + attach_ddp + OnebitAdam compression",
     "onebit_ddp_nosync_compression": "DDP (no_sync) + attach_ddp + OnebitAdam compression",

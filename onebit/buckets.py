@@ -173,13 +173,13 @@ class Bucket:
             real[s] = True
         return real
 
-    def scratch(self, name: str, length: int | None = None) -> torch.Tensor:
-        """The flat float32 buffer ``name`` (``padded`` elements, or ``length``), zeros when first
-        allocated; the padding of a padded one is never written by the engine."""
+    def scratch(self, name: str, length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The flat buffer ``name`` (``padded`` elements, or ``length``; float32 unless ``dtype``),
+        zeros when first allocated; the padding of a padded one is never written by the engine."""
         buffer = self._scratch.get(name)
         if buffer is None:
             size = self.padded if length is None else length
-            buffer = self._scratch[name] = torch.zeros(size, dtype=torch.float32, device=self.device)
+            buffer = self._scratch[name] = torch.zeros(size, dtype=dtype, device=self.device)
         return buffer
 
     def wire(self) -> torch.Tensor:
@@ -187,6 +187,20 @@ class Bucket:
         in the padded layout, so that exactly their bytes travel), then one presence flag per
         parameter (1.0 where this rank has a gradient; after the mean, 0 where no rank has one)."""
         return self.scratch("wire", self.numel + len(self.params))
+
+    def wire_to_send(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """The tensor whose all-reduce averages :meth:`wire`: the wire itself, or with ``dtype``
+        (the optimizer's ``reduce_dtype``) a copy of it in ``dtype``, which :meth:`wire_received`
+        copies back once the all-reduce is through."""
+        if dtype is None:
+            return self.wire()
+        low = self.scratch("wire_low", self.numel + len(self.params), dtype)
+        return low.copy_(self.wire())
+
+    def wire_received(self, dtype: torch.dtype | None) -> None:
+        """After the all-reduce of :meth:`wire_to_send`: the averages into :meth:`wire`."""
+        if dtype is not None:
+            self.wire().copy_(self._scratch["wire_low"])
 
     def dense_grads(self) -> list[torch.Tensor]:
         """Views of :meth:`wire`'s gradients, one per parameter."""

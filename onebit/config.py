@@ -75,6 +75,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bias_correction": (lambda v: isinstance(v, bool), "true or false"),
     "cuda_aware": (lambda v: isinstance(v, bool), "true or false"),
     "overlap_backward": (lambda v: isinstance(v, bool), "true or false"),
+    "reduce_dtype": (lambda v: v in (None, "float32", "bfloat16"), "\"float32\", \"bfloat16\" or null"),
     "comm_backend_name": (_optional_str, "a string such as \"gloo\", \"nccl\", \"hccl\" or \"mpi\", or null"),
     "bucket_size": (_integer, "an integer (elements per bucket)"),
     "kernels": (_optional_str, "a string such as \"auto\" or \"reference\", or null"),

@@ -36,7 +36,7 @@ from .steps import Steps
 from .hierarchy import Topology, build_topology, check_hierarchy
 from .shards import first_shard
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
-from .validation import check_common_group, check_engine_options, check_flag, check_params, refuse_unknown
+from .validation import check_common_group, check_engine_options, check_flag, check_params, reduce_dtype_of, refuse_unknown
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,14 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             changed after backward (clipping) make ``step()`` redo the communication (said once).
             Not with ``torch.amp.GradScaler`` (its scale is known only at ``step()``) nor
             ``hierarchy``. On 2 CPU cores it sped up warmup steps only (``benchmarks/README.md``).
+        reduce_dtype: ``None`` (default): the full-precision all-reduce of warmup steps (and of
+            0/1 Adam's variance steps, and of ``compress=False`` groups) sends float32.
+            ``torch.bfloat16`` (``"bfloat16"`` in config files): it sends the gradients rounded
+            to bfloat16 and sums them in bfloat16, half the bytes, as DDP's
+            ``bf16_compress_hook`` and FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)`` do;
+            the compressed steps are unchanged; on one rank nothing is sent, nor rounded.
+            ``attach_ddp``'s hook follows it. Not with
+            ``comm_backend_name='mpi'`` (MPI has no bfloat16 sum: it would send float32).
     """
 
     # What a subclass declares: per-element state buffers (param-shaped in the state dict), the
@@ -169,6 +177,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         hierarchy: Any = None,
         hierarchy_variant: str = "compressed",
         overlap_backward: bool = False,
+        reduce_dtype: Any = None,
         **unknown: Any,
     ) -> None:
         refuse_unknown(type(self).__name__, unknown, {**type(self).DEEPSPEED_REFUSED, **type(self).NOT_SETTINGS})
@@ -177,6 +186,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         check_flag("overlap_backward", overlap_backward)
         if overlap_backward and hierarchy is not None:
             raise ValueError(f"overlap_backward=True does not work with hierarchy={hierarchy!r} yet; pass one of them")
+        self.reduce_dtype = reduce_dtype_of(reduce_dtype)
         defaults = {**defaults, "compress": True}
         self._check_group(defaults)
         self.bucket_size = bucket_size
@@ -200,6 +210,9 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
             resolve_backend(comm_backend_name, backend, cuda_aware=cuda_aware, group=group), self.PLAN_NAMES)
+        if self.reduce_dtype is not None and self._backend.inner.name == "mpi":
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} saves nothing on the MPI transport: MPI has no bfloat16 "
+                             "sum, so it sends float32; leave reduce_dtype at None with comm_backend_name='mpi'")
         self._topology: Topology | None = None
         if hierarchy is not None:
             topology = build_topology(self._backend.inner, hierarchy, hierarchy_variant)

@@ -180,7 +180,7 @@ class Overlap:
                 grads = grads_of(bucket, True, None)
             if r.check_double:
                 r.local[position] = bucket.wire()[:bucket.numel].clone()
-            r.pending[position] = opt._backend.start_all_reduce_mean_(bucket.wire())
+            r.pending[position] = opt._backend.start_all_reduce_mean_(bucket.wire_to_send(opt._wire_dtype()))
         elif compressed:
             grads = grads_of(bucket, False, None)
             if r.staged:  # the server stage of the bucket started before (its all-to-all is through by now)

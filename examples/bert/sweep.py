@@ -23,6 +23,8 @@ The runs:
   ``zo_ds_adam``: Adam with ``zo_ds``'s settings (no bias correction, betas (0.9, 0.98));
 * ``zo_*_bound``: those with ``update_bound = 1`` (no coordinate steps further than Adam could);
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
+* ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
+  bfloat16: half the bytes of a warmup step);
 * ``*_pre`` / ``*_mom``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit
   all-reduce averages ``m / (sqrt(v) + eps)``; the default of 1-bit Adam and 1-bit LAMB) /
   ``"momentum"`` (it averages ``m``: DeepSpeed's numerics, the default before 2026-11-26).
@@ -73,6 +75,9 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
     for name in ("zo_demo", "zo_ds", "zo_ds16"):
         params, adam, kind = runs[name]
         runs[f"{name}_bound"] = ({**params, "update_bound": 1.0}, adam, kind)
+    for name, (params, adam, kind) in list(runs.items()):
+        if name != adam:  # a 1-bit run
+            runs[f"{name}_bf16"] = ({**params, "reduce_dtype": "bfloat16"}, adam, kind)
     for name, (params, adam, kind) in list(runs.items()):
         if name != adam:  # a 1-bit run
             runs[f"{name}_pre"] = ({**params, "compression_space": "preconditioned"}, adam, kind)

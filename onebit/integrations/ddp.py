@@ -45,13 +45,19 @@ class _HookState:
 
 
 def onebit_ddp_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Steps that average gradients: mean over ranks (like DDP's default hook). Others: no
-    communication."""
+    """Steps that average gradients: mean over ranks (like DDP's default hook; in the optimizer's
+    ``reduce_dtype`` when it has one). Others: no communication."""
     buffer = bucket.buffer()
     if state.optimizer.next_plan.average_gradients:
-        buffer.div_(state.world_size)
-        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        dtype = state.optimizer.reduce_dtype if state.world_size > 1 else None
+        if dtype is None:
+            buffer.div_(state.world_size)
+            work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+        # reduce_dtype: summed in it, then divided, as the optimizer's own all-reduce does
+        low = buffer.to(dtype)
+        work = dist.all_reduce(low, group=state.process_group, async_op=True)
+        return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0].div_(state.world_size)))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future

@@ -73,10 +73,12 @@ def _check_engine(engine: Any) -> OnebitOptimizer:
             "the engine sums gradients over ranks (\"gradient_allreduce_op\": \"sum\"), a onebit optimizer "
             "needs their mean; remove gradient_allreduce_op from the config")
     dtype = engine.communication_data_type
-    if dtype != torch.float32:
+    wanted = optimizer.reduce_dtype or torch.float32
+    if dtype != wanted:
         raise ValueError(
             f"communication_data_type is {dtype}: the engine would average the full-precision steps' gradients "
-            "in that type; remove communication_data_type from the config (float32)")
+            f"in that type, but the optimizer's reduce_dtype is {optimizer.reduce_dtype}; make them agree (no "
+            "communication_data_type in the config is float32, reduce_dtype=None)")
     if engine.dp_world_size != optimizer.backend.world_size:
         raise ValueError(
             f"the engine's data-parallel group spans {engine.dp_world_size} ranks but the optimizer's backend has "
@@ -111,8 +113,9 @@ def attach_deepspeed(engine: Any) -> None:
         ImportError: DeepSpeed is not installed.
         TypeError: ``engine`` is not a ``DeepSpeedEngine``, is a ``PipelineEngine``, or its
             optimizer is not a onebit optimizer.
-        ValueError: ZeRO stage > 0, an fp16/bf16 optimizer wrapper, a summed or lower-precision
-            gradient all-reduce, or a data-parallel group of another size than the optimizer's.
+        ValueError: ZeRO stage > 0, an fp16/bf16 optimizer wrapper, a summed gradient all-reduce or
+            one in another type than the optimizer's ``reduce_dtype``, or a data-parallel group of
+            another size than the optimizer's.
     """
     optimizer = _check_engine(engine)
     follow_plan(optimizer, lambda average: setattr(engine, "enable_backward_allreduce", average))
