@@ -108,7 +108,7 @@ def check_bounds(min_steps: Any, max_steps: Any) -> None:
 
 
 def measure(buckets: list, groups: list[dict[str, Any]], t: int) -> tuple[float, float, int]:
-    """The frozen denominator's total ``sum(sqrt(v / bc2))`` (float64), the count of coordinates
+    """The frozen denominator's total ``sum(sqrt(v / bc2))``, the count of coordinates
     with zero variance, and the coordinates, over the compressed buckets at step ``t``."""
     total, zeros, count = 0.0, 0.0, 0
     for bucket in buckets:
@@ -118,7 +118,9 @@ def measure(buckets: list, groups: list[dict[str, Any]], t: int) -> tuple[float,
         beta2 = group["betas"][1]
         bc2 = 1.0 - beta2 ** t if group.get("bias_correction", False) else 1.0
         v = bucket.buffers["exp_avg_sq"]
-        total += float(torch.div(v, bc2).sqrt_().sum(dtype=torch.float64))
+        # torch's float32 sum is blocked (relative error ~1e-7 at 25M elements, far below the 1 %
+        # the decision compares with); summing in float64 would cast every element, 2.6x the time
+        total += float(torch.sqrt(v).sum()) / math.sqrt(bc2)
         zeros += bucket.numel - float(torch.count_nonzero(v))  # (the padding is always 0: not counted)
         count += bucket.numel
     return total, zeros, count

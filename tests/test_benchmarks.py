@@ -159,6 +159,30 @@ def test_run_average_weights_each_kind_by_its_count_in_the_schedule():
     assert set(summary["run_average"]["optimizers"]) == {"adam", "onebit"}
 
 
+def test_run_average_of_the_bfloat16_warmup_uses_its_own_warmup_row():
+    run_average = _bench_module("run_average")
+    schedule = run_average.parse_schedule("steps=10,freeze_step=4")
+    rows = {name: {"step_s": s, "steps_s": [s], "stats_bytes_per_rank": [b], "collectives": 2}
+            for name, s, b in (("adam", 1.0, 0), ("onebit_warmup", 1.0, 400), ("onebit_warmup_bf16", 0.6, 200),
+                               ("onebit_compression", 0.2, 12))}
+    summary = {"configs": rows}
+    run_average.add_run_average(summary, schedule)
+    optimizers = summary["run_average"]["optimizers"]
+    assert optimizers["onebit_bf16"]["step_s"] == pytest.approx((4 * 0.6 + 6 * 0.2) / 10)
+    assert optimizers["onebit_bf16"]["stats_bytes_per_step"] == pytest.approx((4 * 200 + 6 * 12) / 10)
+    assert optimizers["onebit"]["step_s"] == pytest.approx((4 * 1.0 + 6 * 0.2) / 10)
+
+
+def test_autofreeze_cost_writes_the_check_time(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH / "autofreeze_cost.py"), "--params", "2e5", "--width", "128",
+                           "--repeats", "3", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "autofreeze_cost.json").read_text())
+    assert 0 < result["check_ms_median"] and result["per_step_ms"] == pytest.approx(result["check_ms_median"] / 10)
+    assert "per warmup step" in (tmp_path / "autofreeze_cost.md").read_text()
+
+
 @pytest.mark.parametrize("text, message", [
     ("steps=0", "must be >= 1"), ("steps=ten", "is not an int"), ("freeze=3", "key one of"), ("steps", "key one of"),
 ])
