@@ -192,13 +192,17 @@ def _refusals(deepspeed, attach_deepspeed) -> dict[str, str]:
         "bf16": _config(1, bf16={"enabled": True}),
         "sum": _config(1, gradient_allreduce_op="sum"),
         "bf16_communication": _config(1, communication_data_type="bf16"),
+        # the optimizer's reduce_dtype and the engine's communication_data_type must agree
+        "bf16_both": _config(1, communication_data_type="bf16"),
+        "bf16_optimizer_only": _config(1),
         "torch_adam": _config(1),
     }
     messages = {}
     for case, config in configs.items():
         model = _model()
+        reduce = {"reduce_dtype": torch.bfloat16} if case in ("bf16_both", "bf16_optimizer_only") else {}
         opt = (torch.optim.Adam(model.parameters()) if case == "torch_adam"
-               else _optimizer(model, "OnebitAdam", dict(freeze_step=2)))
+               else _optimizer(model, "OnebitAdam", dict(freeze_step=2, **reduce)))
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         try:
             attach_deepspeed(engine)
@@ -364,6 +368,9 @@ def test_engine_setups_that_break_onebit_are_refused(ranks):
     assert "torch_autocast" in messages["bf16"]
     assert messages["sum"].startswith("ValueError: the engine sums gradients")
     assert messages["bf16_communication"].startswith("ValueError: communication_data_type is torch.bfloat16")
+    assert messages["bf16_both"] == "accepted"
+    assert messages["bf16_optimizer_only"].startswith("ValueError: communication_data_type is torch.float32")
+    assert "reduce_dtype is torch.bfloat16" in messages["bf16_optimizer_only"]
     assert messages["torch_adam"].startswith("TypeError: the engine's optimizer is Adam, not a onebit optimizer")
     assert ranks[0]["accelerator"] == "cpu"
 
