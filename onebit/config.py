@@ -36,7 +36,7 @@ import torch
 from . import adam, lamb, zoadam  # noqa: F401  (they register their CONFIG_TYPE)
 from .backends import CommBackend
 from .engine import OnebitOptimizer
-from .validation import is_int, is_real
+from .validation import REDUCE_DTYPES, is_int, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bias_correction": (lambda v: isinstance(v, bool), "true or false"),
     "cuda_aware": (lambda v: isinstance(v, bool), "true or false"),
     "overlap_backward": (lambda v: isinstance(v, bool), "true or false"),
-    "reduce_dtype": (lambda v: v in (None, "float32", "bfloat16"), "\"float32\", \"bfloat16\" or null"),
+    "reduce_dtype": (lambda v: v is None or v in REDUCE_DTYPES or v in REDUCE_DTYPES.values(),
+                     " or ".join(f"\"{name}\"" for name in REDUCE_DTYPES) + " or null"),
     "comm_backend_name": (_optional_str, "a string such as \"gloo\", \"nccl\", \"hccl\" or \"mpi\", or null"),
     "bucket_size": (_integer, "an integer (elements per bucket)"),
     "kernels": (_optional_str, "a string such as \"auto\" or \"reference\", or null"),

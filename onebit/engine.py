@@ -187,6 +187,9 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         if overlap_backward and hierarchy is not None:
             raise ValueError(f"overlap_backward=True does not work with hierarchy={hierarchy!r} yet; pass one of them")
         self.reduce_dtype = reduce_dtype_of(reduce_dtype)
+        if self.reduce_dtype is not None and "mpi" in (comm_backend_name, getattr(backend, "name", None)):
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} saves nothing on the MPI transport: MPI has no bfloat16 "
+                             "sum, so it sends float32; leave reduce_dtype at None with comm_backend_name='mpi'")
         defaults = {**defaults, "compress": True}
         self._check_group(defaults)
         self.bucket_size = bucket_size
@@ -210,9 +213,6 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
             resolve_backend(comm_backend_name, backend, cuda_aware=cuda_aware, group=group), self.PLAN_NAMES)
-        if self.reduce_dtype is not None and self._backend.inner.name == "mpi":
-            raise ValueError(f"reduce_dtype={reduce_dtype!r} saves nothing on the MPI transport: MPI has no bfloat16 "
-                             "sum, so it sends float32; leave reduce_dtype at None with comm_backend_name='mpi'")
         self._topology: Topology | None = None
         if hierarchy is not None:
             topology = build_topology(self._backend.inner, hierarchy, hierarchy_variant)

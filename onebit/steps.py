@@ -241,10 +241,10 @@ class Steps:
         averaged = [bucket.wire()[:bucket.numel] for bucket in reduced]
         if not any(bool(a.any()) for a in averaged):
             return  # no gradient at all: nothing to tell
-        # (averaged in reduce_dtype, equal gradients come back rounded to it: a few of its ulps)
-        dtype = self._wire_dtype()
-        rtol = 1e-6 if dtype is None else 4 * torch.finfo(dtype).eps
-        same = all(torch.allclose(x, a, rtol=rtol, atol=0.0) for x, a in zip(local, averaged))
+        if self._wire_dtype() is None:
+            same = all(torch.allclose(x, a, rtol=1e-6, atol=0.0) for x, a in zip(local, averaged))
+        else:
+            same = self._same_on_every_rank(local)
         self._health.flag(
             "double", same,
             lambda: f"step {t}: the gradients were the same on all {self._backend.world_size} ranks before "
@@ -255,6 +255,18 @@ class Steps:
             "attach_accelerate(model, optimizer), attach_deepspeed(engine) or attach_trainer(trainer). (If every "
             "rank really trains on the same data, ignore this: data parallelism then gains nothing.)",
             self._backend.rank)
+
+    def _same_on_every_rank(self, local: list[torch.Tensor]) -> bool:
+        """Whether every rank had the same gradients, for :meth:`_double_check` with
+        ``reduce_dtype``: its averages come back rounded (by more as ranks are added), so they
+        cannot be compared with a rank's own. Instead each rank's sum and sum of squares, and their
+        squares, are averaged in float64 (one 32-byte all-reduce, on these few steps only): zero
+        variance across ranks, decided from the same numbers on every rank."""
+        s1 = sum(float(x.sum(dtype=torch.float64)) for x in local)
+        s2 = sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in local)
+        digest = torch.tensor([s1, s2, s1 * s1, s2 * s2], dtype=torch.float64, device=self._device())
+        m1, m2, q1, q2 = self._backend.all_reduce_mean_(digest).tolist()
+        return all(q - m * m <= 1e-12 * q for m, q in ((m1, q1), (m2, q2)))
 
     def _update(self, t: int, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
                 averaged: list[Bucket], staged: set[int] = frozenset()) -> None:

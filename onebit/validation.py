@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["is_int", "is_real", "check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
            "check_engine_options", "refuse", "refuse_unknown", "TORCH_FLAGS", "DEEPSPEED_COMMON_REFUSED",
-           "COMPRESSION_SPACES", "check_compression_space", "reduce_dtype_of"]
+           "COMPRESSION_SPACES", "check_compression_space", "REDUCE_DTYPES", "reduce_dtype_of"]
 
 
 def check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
@@ -102,11 +102,14 @@ def check_engine_options(bucket_size: Any, nonfinite_grads: Any, divergence: Any
     check_flag("cuda_aware", cuda_aware)
 
 
+#: The values ``reduce_dtype`` takes, by the names config files give them.
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def reduce_dtype_of(value: Any) -> torch.dtype | None:
     """``reduce_dtype`` as the engine keeps it: ``None`` (the float32 of the buckets) or
     ``torch.bfloat16``; a config file's ``"float32"`` / ``"bfloat16"`` name them."""
-    named = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    dtype = named.get(value, value) if isinstance(value, str) else value
+    dtype = REDUCE_DTYPES.get(value, value) if isinstance(value, str) else value
     if value is None or dtype is torch.float32:
         return None
     if dtype is torch.bfloat16:

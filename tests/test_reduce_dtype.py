@@ -33,30 +33,38 @@ def _batch(rank: int, step: int):
     return torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
 
 
-def _train(rank: int, mode: str, dtype) -> dict:
+def _train(rank: int, mode: str, dtype, world_size: int = 2) -> dict:
     model = _model()
     opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, comm_backend_name="gloo", reduce_dtype=dtype,
-                     overlap_backward=mode == "overlap")
+                     overlap_backward=mode.startswith("overlap"))
     net = model
     if mode in ("ddp", "forgotten"):
         net = DDP(model)
         if mode == "ddp":
             attach_ddp(net, opt)
-    grads, snapshots = [], []
+    grads, snapshots, sent = [], [], []
     for step in range(1, STEPS + 1):
         x, y = _batch(rank, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(x), y).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
+        if mode.endswith("clipped"):  # changed after backward: with overlap, step() sends them again
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if mode == "alone" and rank != 0:  # the last layer's bias has a gradient on rank 0 only
+            model[-1].bias.grad = None
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
         opt.step()
         snapshots.append([p.detach().clone() for p in model.parameters()])
-    stats = opt.comm_stats()
-    return {"grads": grads, "snapshots": snapshots, "warmup_bytes": stats["warmup"]["bytes_sent"]}
+        sent.append(opt.comm_stats()["last_step"]["bytes_sent"])
+        if step == 1 and mode == "alone":  # the averages the warmup step used (one bucket)
+            (bucket,) = opt._buckets
+            averaged = [g.view_as(p).clone() for g, p in zip(bucket.dense_grads(), bucket.params)]
+    return {"grads": grads, "snapshots": snapshots, "sent": sent, **({"averaged": averaged} if mode == "alone" else {})}
 
 
 def _session(rank: int, world_size: int) -> dict:
     out = {(mode, str(dtype)): _train(rank, mode, dtype) for mode, dtype in (
-        ("plain", None), ("plain", torch.bfloat16), ("overlap", torch.bfloat16), ("ddp", torch.bfloat16))}
+        ("plain", None), ("plain", torch.bfloat16), ("overlap", torch.bfloat16), ("ddp", torch.bfloat16),
+        ("clipped", torch.bfloat16), ("overlap_clipped", torch.bfloat16))}
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -101,12 +109,13 @@ def test_warmup_is_adam_on_the_bfloat16_average(two_ranks):
 
 
 def test_warmup_sends_half_the_bytes_and_replicas_stay_identical(two_ranks):
-    fp32 = two_ranks[0][("plain", "None")]["warmup_bytes"]
-    bf16 = two_ranks[0][("plain", "torch.bfloat16")]["warmup_bytes"]
+    fp32 = two_ranks[0][("plain", "None")]["sent"]
+    bf16 = two_ranks[0][("plain", "torch.bfloat16")]["sent"]
     params = list(_model().parameters())
     wire = sum(p.numel() for p in params) + len(params)  # the gradients and a presence flag each
-    # the gradients' all-reduce sends 2 bytes an element instead of 4; the small flags stay float32
-    assert fp32 - bf16 == FREEZE * allreduce_wire_bytes(2 * wire, 2) > 0
+    half = allreduce_wire_bytes(2 * wire, 2)  # what 2 bytes an element instead of 4 saves
+    digest = allreduce_wire_bytes(4 * 8, 2)  # the double-averaging check's float64 digest (steps 1-2)
+    assert [a - b for a, b in zip(fp32, bf16)] == [half - digest] * 2 + [half] * (FREEZE - 2) + [0] * (STEPS - FREEZE)
     for key in (("plain", "torch.bfloat16"), ("overlap", "torch.bfloat16"), ("ddp", "torch.bfloat16")):
         for a, b in zip(two_ranks[0][key]["snapshots"], two_ranks[1][key]["snapshots"]):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), key
@@ -119,6 +128,48 @@ def test_overlap_and_attach_ddp_land_on_the_plain_loops_bits(two_ranks, mode):
         other = two_ranks[rank][(mode, "torch.bfloat16")]["snapshots"]
         for step, (a, b) in enumerate(zip(plain, other), start=1):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"rank {rank}, step {step}"
+
+
+def test_gradients_changed_after_backward_are_sent_again_in_bfloat16(two_ranks):
+    for rank in range(2):
+        plain = two_ranks[rank][("clipped", "torch.bfloat16")]["snapshots"]
+        redone = two_ranks[rank][("overlap_clipped", "torch.bfloat16")]["snapshots"]
+        assert all(torch.equal(x, y) for a, b in zip(plain, redone) for x, y in zip(a, b)), rank
+    unclipped = two_ranks[0][("plain", "torch.bfloat16")]["snapshots"][0]
+    assert any(not torch.equal(x, y) for x, y in zip(unclipped, plain[0]))  # the clipping did change them
+
+
+def _three(rank: int, world_size: int) -> dict:
+    return _train(rank, "alone", torch.bfloat16, world_size)
+
+
+def test_three_ranks_a_gradient_on_one_rank_counts_and_replicas_stay_identical(tmp_path):
+    runs = run_ranks(_three, 3, tmp_path, timeout=180)
+    for step in range(STEPS):
+        assert all(torch.equal(x, y) for r in (1, 2) for x, y in zip(runs[0]["snapshots"][step], runs[r]["snapshots"][step]))
+    # the bias with a gradient on rank 0 only moved in warmup: its presence averaged to 1/3, not 0
+    assert not torch.equal(runs[0]["snapshots"][0][-1], _model()[-1].bias.detach())
+    # step 1's averages against the exact mean of the three ranks' gradients (None counts as 0):
+    # within the bfloat16 roundings (of each gradient, of the partial sums, of the division: each
+    # within 2**-9 of what it rounds; gloo orders the sum its own way), and not exact
+    rounded = False
+    for i, averaged in enumerate(runs[0]["averaged"]):
+        grads = [runs[r]["grads"][0][i] for r in range(3)]
+        grads = [torch.zeros_like(averaged) if g is None else g for g in grads]
+        exact = sum(grads) / 3
+        assert ((averaged - exact).abs() <= 2 ** -7 * sum(g.abs() for g in grads) / 3).all(), i
+        rounded |= not torch.allclose(averaged, exact, rtol=1e-6, atol=0)
+        assert all(torch.equal(averaged, runs[r]["averaged"][i]) for r in (1, 2))
+    assert rounded  # bfloat16 was sent, not float32
+
+
+def test_copies_keep_it():
+    import copy
+    import pickle
+
+    opt = OnebitAdam(_model().parameters(), lr=1e-3, comm_backend_name="local", reduce_dtype=torch.bfloat16)
+    assert copy.deepcopy(opt).reduce_dtype is torch.bfloat16
+    assert pickle.loads(pickle.dumps(opt)).reduce_dtype is torch.bfloat16
 
 
 def test_a_forgotten_adapter_is_still_said(two_ranks):

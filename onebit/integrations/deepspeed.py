@@ -74,11 +74,13 @@ def _check_engine(engine: Any) -> OnebitOptimizer:
             "needs their mean; remove gradient_allreduce_op from the config")
     dtype = engine.communication_data_type
     wanted = optimizer.reduce_dtype or torch.float32
-    if dtype != wanted:
+    if dtype != wanted and engine.dp_world_size > 1:
+        fix = ("pass reduce_dtype=torch.bfloat16 to the optimizer, or remove communication_data_type from the config"
+               if wanted == torch.float32 else "set \"communication_data_type\": \"bf16\" in the config, or pass "
+               "reduce_dtype=None to the optimizer")
         raise ValueError(
             f"communication_data_type is {dtype}: the engine would average the full-precision steps' gradients "
-            f"in that type, but the optimizer's reduce_dtype is {optimizer.reduce_dtype}; make them agree (no "
-            "communication_data_type in the config is float32, reduce_dtype=None)")
+            f"in that type, but the optimizer's reduce_dtype is {optimizer.reduce_dtype}; {fix}")
     if engine.dp_world_size != optimizer.backend.world_size:
         raise ValueError(
             f"the engine's data-parallel group spans {engine.dp_world_size} ranks but the optimizer's backend has "
