@@ -120,8 +120,8 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             to bfloat16 and sums them in bfloat16, half the bytes, as DDP's
             ``bf16_compress_hook`` and FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)`` do;
             the compressed steps are unchanged; on one rank nothing is sent, nor rounded.
-            ``attach_ddp``'s hook follows it. Not with
-            ``comm_backend_name='mpi'`` (MPI has no bfloat16 sum: it would send float32).
+            ``attach_ddp``'s hook follows it. Not with ``comm_backend_name='mpi'`` (MPI has no
+            bfloat16 sum: it would send float32). See ``docs/guides/tuning.md``.
     """
 
     # What a subclass declares: per-element state buffers (param-shaped in the state dict), the
