@@ -9,7 +9,6 @@ between them (``real()`` is False there) holds zeros and never reaches a paramet
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
@@ -22,10 +21,9 @@ from .collectives import CompressionState
 from .compression import SegmentLayout
 from .hierarchy import Topology, TwoLevelState
 from .kernels.reference import pack_signs
-from .shards import is_dtensor, local, local_value, shard_signature
+from .shards import is_dtensor, local, local_value
 
-__all__ = ["Bucket", "Derived", "split_into_buckets", "set_masks", "check_grads", "grads_of", "all_finite", "build_keep_mask",
-           "layout_digest", "check_layout", "ranks_differing"]
+__all__ = ["Bucket", "Derived", "split_into_buckets", "set_masks", "check_grads", "grads_of", "all_finite", "build_keep_mask"]
 
 # Up to this many gradient tensors the finiteness check sums each (the fastest pass over a large
 # tensor); above it, one foreach norm call avoids a Python call per tensor.
@@ -405,57 +403,3 @@ def check_grads(buckets: list[Bucket], owner: str) -> None:
                 raise ValueError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
             if g.device != p.device:
                 raise ValueError(f"gradient on {g.device} for a parameter on {p.device}; keep them on one device")
-
-
-def layout_digest(buckets: list[Bucket]) -> str:
-    """16 hex digits that differ when the layout (groups, shapes, dtypes, buckets, segments, and a
-    two-level all-reduce's nodes, ranks per node and variant, whose errors have other shapes) does."""
-    description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
-                         None if b.layout is None else b.layout.edges,
-                         [(tuple(p.shape), str(p.dtype)) for p in b.params], *_two_level(b), *_shards(b)) for b in buckets])
-    return hashlib.sha256(description.encode()).hexdigest()[:16]
-
-
-def _shards(bucket: Bucket) -> list[list[tuple[Any, ...]]]:
-    """``[signatures]`` of a bucket of DTensor shards (:func:`onebit.shards.shard_signature`), else
-    ``[]`` (digests of plain parameters stay what they were)."""
-    return [[shard_signature(p) for p in bucket.owners]] if bucket.sharded else []
-
-
-def _two_level(bucket: Bucket) -> list[tuple[int, int, str]]:
-    """``[(nodes, local, variant)]`` for a bucket with a two-level all-reduce, else ``[]`` (so the
-    digests of flat layouts, saved in checkpoints, stay what they were)."""
-    if isinstance(bucket.compression, TwoLevelState):
-        topology = bucket.compression.topology
-        return [(topology.nodes, topology.local, topology.variant)]
-    return []
-
-
-def check_layout(buckets: list[Bucket], backend: Any) -> None:
-    """One all-gather of the layout digest, so that ranks holding different models fail with the
-    same clear error instead of deadlocking or mixing buffers."""
-    if not buckets:
-        return
-    differ = ranks_differing(backend, bytes.fromhex(layout_digest(buckets)), buckets[0].device)
-    if differ and any(b.sharded for b in buckets):
-        raise ValueError(
-            f"the parameter layout differs between the ranks of this optimizer's group: ranks {differ} hold "
-            "other shards of the DTensor parameters than rank 0 (or other shapes, dtypes, param groups or "
-            "bucket_size); onebit averages local shards over its group, which must be the data-parallel "
-            "dimension whose ranks hold the same shards: pass group=mesh['replicate'] (HSDP) or "
-            "group=mesh['dp'] (tensor parallel), the mesh dimension FSDP and parallelize_module do not use"
-        )
-    if differ:
-        raise ValueError(
-            f"the parameter layout differs between ranks: ranks {differ} do not match rank 0 (their "
-            "parameter shapes, dtypes, param groups or bucket_size differ); every rank must build the "
-            "same model and the same param groups in the same order"
-        )
-
-
-def ranks_differing(backend: Any, digest: bytes, device: torch.device) -> list[int]:
-    """One all-gather of this rank's 8-byte ``digest``: the ranks whose digest is not rank 0's."""
-    mine = torch.tensor(list(digest[:8]), dtype=torch.uint8, device=device)
-    everyone = torch.empty(backend.world_size, 8, dtype=torch.uint8, device=device)
-    backend.all_gather(everyone, mine)
-    return [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from .backends import CommBackend, resolve_backend
-from .buckets import Bucket, check_grads, check_layout, ranks_differing, set_masks, split_into_buckets
+from .buckets import Bucket, check_grads, set_masks, split_into_buckets
 from .overlap import Overlap
 from .health import Health
 from .plan import StepPlan
@@ -34,6 +34,7 @@ from .lifecycle import Lifecycle
 from .state import StateDictContract
 from .steps import Steps
 from .hierarchy import Topology, build_topology, check_hierarchy
+from .layout import check_layout, ranks_differing
 from .shards import first_shard
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import check_common_group, check_engine_options, check_flag, check_params, reduce_dtype_of, refuse_unknown

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .buckets import layout_digest
+from .layout import layout_digest
 from .shards import is_dtensor, like_param, local, local_value
 from .validation import is_int
 
