@@ -3,6 +3,7 @@
 
     python benchmarks/space_cost.py                         # 2 ranks, 25.2M params, 30 rounds
     python benchmarks/space_cost.py --optimizer lamb --rounds 10
+    python benchmarks/space_cost.py --bound                 # and update_bound=1: results/space_cost_bound.*
 
 Each rank builds one model per configuration (the model of ``peers.py``, same initial values) and
 runs their compression steps interleaved: every round runs one step of each configuration, in a
@@ -42,6 +43,8 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
     out = [("momentum", {"compression_space": "momentum"}), ("preconditioned", {"compression_space": "preconditioned"})]
     if args.unfused:  # the multiplies in passes of their own (as with kernels without `multipliers`)
         out.append(("preconditioned, multiplies unfused", {"compression_space": "preconditioned", "kernels": "cpu-unfused"}))
+    if args.bound:  # m / d clamped (update_bound): the multiply and the clamp in a pass of their own
+        out.append(("preconditioned, update_bound=1", {"compression_space": "preconditioned", "update_bound": 1.0}))
     return out
 
 
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--unfused", action="store_true",
                         help="add the preconditioned space with the multiplies in passes of their own")
+    parser.add_argument("--bound", action="store_true",
+                        help="add the preconditioned space with update_bound=1 (writes space_cost[_lamb]_bound.*)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     result = run_local_ranks(_rank, args.world_size, args)
@@ -127,7 +132,7 @@ def main() -> None:
                      f"{c['step_ms']:.1f} | {c['step_paired']:.3f}x | {c['bytes_per_step']:,} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    suffix = "" if args.optimizer == "adam" else f"_{args.optimizer}"
+    suffix = ("" if args.optimizer == "adam" else f"_{args.optimizer}") + ("_bound" if args.bound else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"space_cost{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out_dir / f"space_cost{suffix}.md").write_text(text)

@@ -47,6 +47,13 @@ class OnebitAdam(FrozenVarianceOptimizer):
             Adam's step there (a coordinate with a tiny frozen variance cannot take a step of
             ``lr * scale / eps``); or ``"momentum"``: ``m``, DeepSpeed's numerics. The same
             bytes; measured in ``examples/bert/README.md``.
+        update_bound: ``None`` (default) or ``c > 0`` (with the preconditioned space): each
+            coordinate's ``u = m / d`` is clamped to ``+-c B bc1`` before the 1-bit all-reduce,
+            ``B = (1 - beta1) / sqrt((1 - beta2) (1 - beta1**2 / beta2))``, the largest
+            ``|m / sqrt(v)|`` Adam reaches (1.70 for betas (0.9, 0.98), 7.27 for (0.9, 0.999)), so
+            that a coordinate whose gradient outgrows its frozen variance cannot inflate its
+            tensor's scale (and step) by orders of magnitude. Its clamp is a pass of its own
+            (the codec's fused multiply is not used). Not saved in state dicts.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -68,11 +75,12 @@ class OnebitAdam(FrozenVarianceOptimizer):
         bias_correction: bool = False,
         compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
+        update_bound: float | None = None,
         **options: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, **options)
+        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound, **options)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:

@@ -125,21 +125,25 @@ def compressed_allreduce_(
 
 
 def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBackend, kernels: KernelSet,
-                  staged: bool = False, multiplier: torch.Tensor | None = None) -> None:
+                  staged: bool = False, multiplier: torch.Tensor | None = None, bound: float | None = None) -> None:
     """Stage 1: compress ``buffer`` with the worker error and start the all-to-all of its signs.
     ``staged``: the new worker error goes to a buffer of its own, adopted by
     :meth:`CompressionState.commit_` (or dropped by ``discard_``). ``multiplier``: compress
     ``buffer * multiplier`` instead (``buffer`` left as it is; in the codec's pass where the
-    kernels can). (A two-level state, :class:`onebit.hierarchy.TwoLevelState`, runs its own
-    stages on its own groups, as do the two functions below; not staged.)"""
+    kernels can); ``bound`` (with ``multiplier``): ``buffer * multiplier`` clamped to
+    ``[-bound, bound]`` (in a pass of its own). (A two-level state,
+    :class:`onebit.hierarchy.TwoLevelState`, runs its own stages on its own groups, as do the two
+    functions below; not staged.)"""
     scaled = {}
     if multiplier is not None:
-        if _fuses(kernels, state):
+        if _fuses(kernels, state) and bound is None:
             scaled = {"multiplier": multiplier}
         else:  # a pass of its own, into a buffer the state keeps
             if state.scaled_input is None or state.scaled_input.shape != buffer.shape:
                 state.scaled_input = torch.empty_like(buffer)
             buffer = torch.mul(buffer, multiplier, out=state.scaled_input)
+            if bound is not None:
+                buffer.clamp_(-bound, bound)
     if not isinstance(state, CompressionState):
         if staged:
             raise ValueError("a two-level compressed all-reduce cannot be staged")

@@ -288,6 +288,11 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         can: see :attr:`onebit.kernels.KernelSet.multipliers`); None: the buffer as it is."""
         return None
 
+    def _codec_bound(self, bucket: Bucket, t: int) -> float | None:
+        """With :meth:`_codec_multipliers`: the bound ``b`` that step ``t``'s compressed all-reduce
+        clamps its input (the buffer times ``into``) to, ``[-b, b]``; None: no clamp."""
+        return None
+
     def _decode_target(self, bucket: Bucket) -> torch.Tensor:
         """Where the compressed average of a staged bucket's input is decoded (see
         ``_STAGED_PLANS``): by default the input buffer itself."""

@@ -14,7 +14,7 @@ from . import autofreeze
 from .autofreeze import AutoFreeze
 from .buckets import Bucket
 from .engine import OnebitOptimizer, StepPlan
-from .validation import check_compression_space, check_int, is_int
+from .validation import check_compression_space, check_int, check_update_bound, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
 
     def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int | str, compression_space: str = "preconditioned",
-                 freeze_bounds: tuple[int, int | None] | None = None, **options: Any) -> None:
+                 freeze_bounds: tuple[int, int | None] | None = None, update_bound: float | None = None,
+                 **options: Any) -> None:
         self._auto: AutoFreeze | None = None
         if freeze_step == "auto":
             low, high = (autofreeze.MIN_STEPS, None) if freeze_bounds is None else _pair(freeze_bounds)
@@ -53,9 +54,19 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                 raise ValueError(f"freeze_bounds={freeze_bounds!r} applies only to freeze_step='auto' (got "
                                  f"freeze_step={freeze_step}); drop it or pass freeze_step='auto'")
         check_compression_space(compression_space)
+        check_update_bound(update_bound)
+        if update_bound is not None and compression_space != "preconditioned":
+            raise ValueError(f"update_bound={update_bound!r} clamps m / d, which only compression_space='preconditioned' "
+                             f"compresses (got {compression_space!r}); pass that space or update_bound=None")
         self.freeze_step: int | None = freeze_step  # None: 'auto', not decided yet
         self.compression_space = compression_space
+        self.update_bound = update_bound
         super().__init__(params, defaults, **options)
+        if update_bound is not None:
+            for group in self.param_groups:
+                if F.adam_largest_ratio(*group["betas"]) is None:
+                    raise ValueError(f"update_bound needs beta1**2 < beta2 (Adam's largest step is unbounded "
+                                     f"otherwise), got betas {group['betas']}; pass update_bound=None")
 
     def plan_for(self, step: int) -> StepPlan:
         if self.freeze_step is None:  # 'auto', undecided: warmup until it decides, at the latest bound at most
@@ -115,6 +126,20 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         if self.compression_space == "momentum":
             return None
         return self._preconditioner(bucket, self.param_groups[bucket.group_index])
+
+    def _codec_bound(self, bucket: Bucket, t: int) -> float | None:
+        """With ``update_bound``: ``u = m / d`` is clamped to ``+-update_bound B bc1`` (``B``:
+        :func:`onebit.functional.adam_largest_ratio` of the group's betas), so that no coordinate's
+        ``(m / bc1) / d`` exceeds ``update_bound`` times Adam's own largest."""
+        if self.update_bound is None:
+            return None
+        group = self.param_groups[bucket.group_index]
+        beta1, beta2 = group["betas"]
+        largest = F.adam_largest_ratio(beta1, beta2)
+        if largest is None:  # (betas changed since the constructor checked them: no bound to give)
+            return None
+        bc1 = F.bias_corrections(t, t, beta1, beta2, group.get("bias_correction", False))[0]
+        return self.update_bound * largest * bc1
 
     def _preconditioner(self, bucket: Bucket, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(1 / d, d)`` over the padded buffer for the frozen ``d = sqrt(v / bc2) + eps``, ``1 / d``

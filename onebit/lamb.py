@@ -77,6 +77,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         factor_threshold: the largest relative change of ``f`` per step.
         compression_space: ``"preconditioned"`` (default) or ``"momentum"`` (DeepSpeed's
             numerics): as for :class:`onebit.OnebitAdam`.
+        update_bound: ``None`` (default) or ``c > 0``: as for :class:`onebit.OnebitAdam`.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -109,6 +110,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         *,
         compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
+        update_bound: float | None = None,
         **options: Any,
     ) -> None:
         check_number("coeff_beta", coeff_beta, high=1.0, high_open=True)
@@ -121,7 +123,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         self.factor_threshold = factor_threshold
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, **options)
+        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound, **options)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:

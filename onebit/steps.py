@@ -69,7 +69,7 @@ class Steps:
         finally:
             self._staging = False
         start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket), staged=True,
-                      multiplier=_into(self._codec_multipliers(bucket)))
+                      multiplier=_into(self._codec_multipliers(bucket)), bound=self._codec_bound(bucket, t))
         bucket.compressed = self._decode_target(bucket)
 
     def _overlapped(self, plan: StepPlan, t: int) -> Round | None:
@@ -280,7 +280,7 @@ class Steps:
                 with self._timed("compress_input"):
                     bucket.compressed = self._compress_input(bucket, bucket_grads, group, t)
                 start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket),
-                              multiplier=_into(self._codec_multipliers(bucket)))
+                              multiplier=_into(self._codec_multipliers(bucket)), bound=self._codec_bound(bucket, t))
         for bucket, bucket_grads in zip(self._buckets, grads):
             if bucket not in compressed:
                 with self._timed("update"):
@@ -304,7 +304,7 @@ class Steps:
             if bucket.derived.frozen_keep is None and bucket.derived.frozen_zeros is not None:
                 bucket.compressed.index_fill_(0, bucket.derived.frozen_zeros, 0.0)
             if measure:
-                ratios.append(_error_ratio(bucket, _into(multipliers)))
+                ratios.append(_error_ratio(bucket, _into(multipliers), self._codec_bound(bucket, t)))
                 before = [p.detach().clone() for p in bucket.params]
             with self._timed("update"):
                 self._update_compressed(bucket, self.param_groups[bucket.group_index], t)
@@ -332,16 +332,17 @@ def _into(multipliers: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor
     return None if multipliers is None else multipliers[0]
 
 
-def _error_ratio(bucket: Bucket, into: torch.Tensor | None = None) -> float | None:
+def _error_ratio(bucket: Bucket, into: torch.Tensor | None = None, bound: float | None = None) -> float | None:
     """The health check's ratio for the buffer this rank's worker stage compressed: the bucket's
-    (times ``into``: the errors are of that), or with a two-level ``"node_mean"`` all-reduce the
-    node mean of its shard (segments ``1/L``)."""
+    (times ``into``, clamped to ``bound``: the errors are of that), or with a two-level
+    ``"node_mean"`` all-reduce the node mean of its shard (segments ``1/L``)."""
     edges = bucket.layout.edges
     sizes = [b - a for a, b in zip(edges[:-1], edges[1:])]
     state = bucket.compression
     node_mean = getattr(state, "compressed_input", None)
     if node_mean is None:
-        return error_ratio(state.worker_error, bucket.compressed if into is None else bucket.compressed * into, sizes)
+        compressed = bucket.compressed if into is None else bucket.compressed * into
+        return error_ratio(state.worker_error, compressed if bound is None else compressed.clamp_(-bound, bound), sizes)
     return error_ratio(state.worker_error, node_mean, [size // state.topology.local for size in sizes])
 
 

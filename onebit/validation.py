@@ -13,7 +13,8 @@ import torch
 
 __all__ = ["is_int", "is_real", "check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
            "check_engine_options", "refuse", "refuse_unknown", "TORCH_FLAGS", "DEEPSPEED_COMMON_REFUSED",
-           "COMPRESSION_SPACES", "check_compression_space", "REDUCE_DTYPES", "reduce_dtype_of"]
+           "COMPRESSION_SPACES", "check_compression_space", "REDUCE_DTYPES", "reduce_dtype_of",
+           "check_update_bound"]
 
 
 def check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
@@ -100,6 +101,15 @@ def check_engine_options(bucket_size: Any, nonfinite_grads: Any, divergence: Any
             "or None for one scale per tensor"
         )
     check_flag("cuda_aware", cuda_aware)
+
+
+def check_update_bound(value: Any) -> None:
+    """``update_bound``: None or a finite number > 0."""
+    if value is not None:
+        check_number("update_bound", value, low=0.0)
+        if value == 0:
+            raise ValueError("invalid update_bound: 0 would keep every parameter still; give a number > 0 "
+                             "(1: Adam's own largest step) or None for no bound")
 
 
 #: The values ``reduce_dtype`` takes, by the names config files give them.

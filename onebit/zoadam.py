@@ -13,7 +13,8 @@ from .adam import adam_step_, descend_, step_by_
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
-from .validation import DEEPSPEED_COMMON_REFUSED, check_compression_space, check_flag, check_int, check_number
+from .validation import (DEEPSPEED_COMMON_REFUSED, check_compression_space, check_flag, check_int,
+                         check_update_bound)
 from .zoschedule import COMPRESSED_GRADIENT, LOCAL, SYNC, VARIANCE, is_variance_step, sync_interval, variance_updates
 
 logger = logging.getLogger(__name__)
@@ -139,11 +140,7 @@ class ZeroOneAdam(OnebitOptimizer):
         **options: Any,
     ) -> None:
         check_compression_space(compression_space)
-        if update_bound is not None:
-            check_number("update_bound", update_bound, low=0.0)
-            if update_bound == 0:
-                raise ValueError("invalid update_bound: 0 would keep every parameter still; give a number > 0 "
-                                 "(1: Adam's own largest step) or None for no bound")
+        check_update_bound(update_bound)
         self.update_bound = update_bound
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,

@@ -33,7 +33,8 @@ class Case:
         space = self.extra.get("compression_space")
         auto = "-auto" if self.schedule.get("freeze_step") == "auto" else ""
         overlap = "-overlap" if self.extra.get("overlap_backward") else ""
-        return self.cls.__name__ + (f"-{space}" if space else "") + auto + overlap
+        bound = "-bound" if self.extra.get("update_bound") else ""
+        return self.cls.__name__ + (f"-{space}" if space else "") + auto + overlap + bound
 
     def make(self, params, lr: float = 1e-2, **kwargs):
         return self.cls(params, lr=lr, comm_backend_name="local", **{**self.schedule, **self.extra, **kwargs})
@@ -52,6 +53,9 @@ OPTIMIZERS = [
          dict(weight_decay=0.01)),
     Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
          dict(weight_decay=0.01, compression_space="preconditioned")),
+    # update_bound: m / d clamped before the 1-bit all-reduce (a pass of its own)
+    Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01, update_bound=0.5)),
+    Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01, update_bound=0.5)),
     # overlap_backward: the communication starts from gradient hooks during backward
     Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01, overlap_backward=True)),
     Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01, overlap_backward=True)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import pytest
 import torch
@@ -34,11 +35,12 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
 
 
-def oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
+def oracle(n: int, steps: int, update_bound: float | None = None, clamped: list | None = None) -> list[list[torch.Tensor]]:
     """1-bit Adam in the preconditioned space for ``n`` simulated ranks, tensor by tensor: warmup
     is Adam on the mean gradient; then ``m_r = lerp(m, g_r)``, ``u_r = m_r * (1 / d)`` (0 where
-    ``v == 0``), ``u = compressed mean of u_r`` (0 where ``v == 0``), ``m = u d``,
-    ``p = p (1 - lr wd) - lr m / d``."""
+    ``v == 0``; with ``update_bound`` c, clamped to ``+-c (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2))``),
+    ``u = compressed mean of u_r`` (0 where ``v == 0``), ``m = u d``, ``p = p (1 - lr wd) - lr m / d``.
+    ``clamped`` (a list) receives the number of coordinates the bound changed at each compressed step."""
     b1, b2 = BETAS
     params = [p.detach().clone() for p in _params()]
     m = [torch.zeros_like(p) for p in params]
@@ -59,6 +61,11 @@ def oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
             keep = v[i] != 0
             inverse = torch.where(keep, torch.reciprocal(d), 0.0)
             local = [(torch.lerp(m[i], grads[r][i], 1 - b1) * inverse).reshape(-1) for r in range(n)]
+            if update_bound is not None:
+                bound = update_bound * (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+                if clamped is not None:
+                    clamped.append(sum(int((x.abs() > bound).sum()) for x in local))
+                local = [x.clamp(-bound, bound) for x in local]
             sim = simulate_compressed_allreduce(local, *errors[i])
             errors[i] = (sim.worker_errors, sim.server_errors)
             u = torch.where(keep, sim.output.view_as(d), 0.0)
@@ -69,10 +76,11 @@ def oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
 
 
 def _train(rank: int, world_size: int, steps: int, backend: str | None = None,
-           kernels: str = "auto") -> list[list[torch.Tensor]]:
+           kernels: str = "auto", update_bound: float | None = None) -> list[list[torch.Tensor]]:
     params = _params()
     opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS, weight_decay=WD,
-                     comm_backend_name=backend, compression_space="preconditioned", kernels=kernels)
+                     comm_backend_name=backend, compression_space="preconditioned", kernels=kernels,
+                     update_bound=update_bound)
     out = []
     for t in range(1, steps + 1):
         for p, g in zip(params, _grads(rank, t)):
@@ -87,19 +95,26 @@ registry.register("reference-unfused", lambda: dataclasses.replace(REFERENCE, na
                                                                    multipliers=False))
 
 
+@pytest.mark.parametrize("update_bound", [None, 0.02])
 @pytest.mark.parametrize("kernels", ["cpu", "reference", "reference-unfused"])
-def test_one_rank_matches_the_oracle(kernels):
+def test_one_rank_matches_the_oracle(kernels, update_bound):
     """With the multiplies in the codec's passes (``cpu``, ``reference``) or in passes of their
-    own (a kernel set without ``multipliers``, as the CUDA kernels): the oracle, bit for bit."""
-    got, want = _train(0, 1, 8, "local", kernels), oracle(1, 8)
+    own (a kernel set without ``multipliers``, as the CUDA kernels), with and without
+    ``update_bound`` (its clamp a pass of its own): the oracle, bit for bit."""
+    clamped = []
+    got, want = _train(0, 1, 8, "local", kernels, update_bound), oracle(1, 8, update_bound, clamped)
     for t, (a, b) in enumerate(zip(got, want), start=1):
         assert all_equal(a, b), t
+    if update_bound is not None:  # the bound changed what was compressed: the comparison can tell
+        assert sum(clamped) > 0, clamped
+        assert not all_equal(want[-1], oracle(1, 8)[-1])
 
 
 @pytest.mark.slow
-def test_three_gloo_ranks_match_the_oracle(tmp_path):
-    results = run_ranks(_train, 3, tmp_path, 8)
-    want = oracle(3, 8)
+@pytest.mark.parametrize("update_bound", [None, 0.02])
+def test_three_gloo_ranks_match_the_oracle(tmp_path, update_bound):
+    results = run_ranks(_train, 3, tmp_path, 8, None, "auto", update_bound)
+    want = oracle(3, 8, update_bound)
     for t in range(8):
         for rank in range(3):
             assert all_equal(results[rank][t], want[t]), (rank, t + 1)
@@ -127,6 +142,64 @@ def test_a_tiny_frozen_variance_cannot_take_a_huge_step(cls):
         largest[space] = max(moves[5:])
     assert largest["momentum"] > 50 * largest["preconditioned"], largest
     assert largest["preconditioned"] < 100, largest
+
+
+def _largest_moves(cls, **kwargs) -> float:
+    """A coordinate whose gradient outgrows its frozen variance: ten coordinates have gradients
+    10^4 times smaller than the others during warmup, the same size after it. The largest step
+    after the freeze, in units of ``lr``."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = cls([p], lr=1e-3, freeze_step=5, comm_backend_name="local", **kwargs)
+    moves = []
+    for t in range(1, 21):
+        g = torch.randn(1000)
+        if t <= 5:
+            g[:10] *= 1e-4
+        p.grad = g
+        before = p.detach().clone()
+        opt.step()
+        moves.append(float((p.detach() - before).abs().max()) / 1e-3)
+    return max(moves[5:])
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
+def test_update_bound_keeps_a_waking_coordinate_from_inflating_its_tensors_steps(cls):
+    # measured 2026-11-26: Adam 8,385 lr without the bound, 4.5 with it; LAMB 625 and 0.57
+    free, bounded = _largest_moves(cls), _largest_moves(cls, update_bound=1.0)
+    assert free > 100 * bounded, (free, bounded)  # without it m / d of the ten sets the tensor's scale
+    if cls is OnebitAdam:
+        largest = 0.1 / math.sqrt(0.001 * (1 - 0.81 / 0.999))  # Adam's largest |m / sqrt(v)|, betas (0.9, 0.999)
+        assert free > 30 * largest and bounded < 3 * largest, (free, bounded)  # clamped values, plus error feedback
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
+def test_update_bound_is_a_clamp_and_nothing_else(cls):
+    """A bound no coordinate reaches is the unbounded run, bit for bit (the clamp runs in a pass of
+    its own, the codec's fused multiply does not: the same numbers); a small one changes it."""
+    def run(**kwargs):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(200))
+        opt = cls([p], lr=1e-3, freeze_step=3, comm_backend_name="local", **kwargs)
+        for t in range(1, 10):
+            p.grad = torch.randn(200, generator=torch.Generator().manual_seed(t))
+            opt.step()
+        return p.detach().clone()
+
+    assert torch.equal(run(), run(update_bound=1e30))
+    assert not torch.equal(run(), run(update_bound=0.05))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(update_bound=0), "0 would keep every parameter still"),
+    (dict(update_bound=-1.0), "invalid update_bound"),
+    (dict(update_bound="1"), "update_bound must be a real number"),
+    (dict(update_bound=1.0, compression_space="momentum"), "only compression_space='preconditioned'"),
+    (dict(update_bound=1.0, betas=(0.99, 0.9)), "needs beta1\\*\\*2 < beta2"),
+])
+def test_update_bound_refuses_what_it_cannot_do(bad, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        OnebitAdam([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, freeze_step=2, comm_backend_name="local", **bad)
 
 
 def test_the_space_is_saved_and_a_checkpoint_restores_it(caplog):

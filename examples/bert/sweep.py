@@ -21,7 +21,9 @@ The runs:
   ``weight_decay 0.01``, no bias correction, ``var_freeze_step`` 20%, ``var_update_scaler`` 8 / 16,
   ``local_step_scaler`` 60, ``local_step_clipper`` 8); all three against ``demo_adam``;
   ``zo_ds_adam``: Adam with ``zo_ds``'s settings (no bias correction, betas (0.9, 0.98));
-* ``zo_*_bound``: those with ``update_bound = 1`` (no coordinate steps further than Adam could);
+* ``zo_*_bound``, ``demo_onebit_bound``, ``ds_onebit_bound``, ``lamb_onebit_bound``, ``lamb98_onebit_bound``:
+  those with ``update_bound = 1`` (0/1 Adam: no coordinate steps further than Adam could; 1-bit Adam
+  and LAMB: ``m / d`` clamped to Adam's largest before the 1-bit all-reduce);
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
@@ -72,7 +74,7 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         for base in ("ds", "demo"):
             params, adam, kind = runs[f"{base}_onebit"]
             runs[f"{base}_onebit_block{block}"] = ({**params, "scale_block_size": block}, adam, kind)
-    for name in ("zo_demo", "zo_ds", "zo_ds16"):
+    for name in ("zo_demo", "zo_ds", "zo_ds16", "demo_onebit", "ds_onebit", "lamb_onebit", "lamb98_onebit"):
         params, adam, kind = runs[name]
         runs[f"{name}_bound"] = ({**params, "update_bound": 1.0}, adam, kind)
     for name, (params, adam, kind) in list(runs.items()):
