@@ -61,6 +61,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         self.freeze_step: int | None = freeze_step  # None: 'auto', not decided yet
         self.compression_space = compression_space
         self.update_bound = update_bound
+        self._unbounded: set[int] = set()  # the groups whose betas left update_bound nothing to clamp (said once)
         super().__init__(params, defaults, **options)
         if update_bound is not None:
             for group in self.param_groups:
@@ -136,7 +137,12 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         group = self.param_groups[bucket.group_index]
         beta1, beta2 = group["betas"]
         largest = F.adam_largest_ratio(beta1, beta2)
-        if largest is None:  # (betas changed since the constructor checked them: no bound to give)
+        if largest is None:  # betas changed since the constructor checked them: no bound to give
+            if self._speaks and bucket.group_index not in self._unbounded:
+                logger.warning("onebit: param group %d's betas %s make Adam's largest step unbounded "
+                               "(beta1**2 >= beta2): its update_bound=%g clamps nothing", bucket.group_index,
+                               group["betas"], self.update_bound)
+            self._unbounded.add(bucket.group_index)
             return None
         bc1 = F.bias_corrections(t, t, beta1, beta2, group.get("bias_correction", False))[0]
         return self.update_bound * largest * bc1

@@ -342,7 +342,7 @@ def _error_ratio(bucket: Bucket, into: torch.Tensor | None = None, bound: float 
     node_mean = getattr(state, "compressed_input", None)
     if node_mean is None:
         compressed = bucket.compressed if into is None else bucket.compressed * into
-        return error_ratio(state.worker_error, compressed if bound is None else compressed.clamp_(-bound, bound), sizes)
+        return error_ratio(state.worker_error, compressed if bound is None else compressed.clamp(-bound, bound), sizes)
     return error_ratio(state.worker_error, node_mean, [size // state.topology.local for size in sizes])
 
 

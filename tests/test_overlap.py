@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 SCHEDULES = short_schedules()
 STEPS = 12
 NAN_STEPS = (2, 5, 9)  # a warmup (variance) step, a compressed one, and one of 0/1 Adam's phase 2
-SCENARIOS = ("plain", "nan", "no_sync", "accumulate", "clip", "unused", "absent", "zero_grad", "preconditioned", "ddp")
+SCENARIOS = ("plain", "nan", "no_sync", "accumulate", "clip", "unused", "absent", "zero_grad", "preconditioned", "ddp",
+             "bounded")
 
 
 class _Net(torch.nn.Module):
@@ -59,6 +60,8 @@ def _backward(model: _Net, rank: int, t: int, micro: int = 0, nan: bool = False,
 def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torch.Tensor]], dict]:
     model = net = _Net()
     extra = dict(compression_space="preconditioned") if scenario == "preconditioned" else {}
+    if scenario == "bounded":  # update_bound's clamp (a pass of its own) on the staged input too
+        extra = dict(compression_space="preconditioned", update_bound=0.05)
     opt = cls(model.parameters(), lr=1e-2, bucket_size=40, overlap_backward=overlap, **SCHEDULES[cls], **extra)
     if scenario == "ddp":  # accumulation the DDP way: ddp.no_sync() (attach_ddp makes it the optimizer's too)
         net = DDP(model)
@@ -133,7 +136,7 @@ def test_overlap_is_bit_identical_for_every_plan_and_loop(tmp_path, world_size):
             started = r["info"]["started"]
             assert started[0] == 0, where
             early = [t for t in range(2, STEPS + 1) if name != "ZeroOneAdam" or t <= 5]
-            if scenario in ("plain", "no_sync", "clip", "preconditioned"):
+            if scenario in ("plain", "no_sync", "clip", "preconditioned", "bounded"):
                 assert all(started[t - 1] == 4 for t in early), f"{where}: started {started}"
             if scenario == "ddp" and name != "ZeroOneAdam":  # warmup: DDP averages; compression: started early
                 assert started[1:3] == [0, 0] and all(s == 4 for s in started[3:]), f"{where}: started {started}"

@@ -190,6 +190,21 @@ def test_update_bound_is_a_clamp_and_nothing_else(cls):
     assert not torch.equal(run(), run(update_bound=0.05))
 
 
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_update_bound_is_c_times_adams_largest_ratio_of_m_hat(bias_correction, caplog):
+    """The clamp of ``m / d`` is ``c B bc1``, so that ``m_hat / d = (m / bc1) / d`` is within ``c B``."""
+    opt = OnebitAdam([torch.nn.Parameter(torch.zeros(8))], lr=1e-3, freeze_step=2, betas=(0.9, 0.98),
+                     bias_correction=bias_correction, comm_backend_name="local", update_bound=0.5)
+    (bucket,) = opt._buckets
+    largest = 0.1 / math.sqrt(0.02 * (1 - 0.81 / 0.98))
+    for t in (3, 10, 100):
+        assert opt._codec_bound(bucket, t) == pytest.approx(0.5 * largest * ((1 - 0.9**t) if bias_correction else 1))
+    opt.param_groups[0]["betas"] = (0.99, 0.9)  # changed after the constructor: unbounded, said once
+    with caplog.at_level(logging.WARNING, logger="onebit"):
+        assert opt._codec_bound(bucket, 3) is None and opt._codec_bound(bucket, 4) is None
+    assert len([r for r in caplog.records if "clamps nothing" in r.getMessage()]) == 1
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(update_bound=0), "0 would keep every parameter still"),
     (dict(update_bound=-1.0), "invalid update_bound"),
