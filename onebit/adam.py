@@ -52,8 +52,9 @@ class OnebitAdam(FrozenVarianceOptimizer):
             ``B = (1 - beta1) / sqrt((1 - beta2) (1 - beta1**2 / beta2))``, the largest
             ``|m / sqrt(v)|`` Adam reaches (1.70 for betas (0.9, 0.98), 7.27 for (0.9, 0.999)), so
             that a coordinate whose gradient outgrows its frozen variance cannot inflate its
-            tensor's scale (and step) by orders of magnitude. Its clamp is a pass of its own
-            (the codec's fused multiply is not used). Not saved in state dicts.
+            tensor's scale (and step) by orders of magnitude. The clamp runs in the codec's
+            pass that multiplies by ``1 / d`` (the CPU kernels'; a pass of its own with kernels
+            that do not multiply as they read, e.g. CUDA's). Not saved in state dicts.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.

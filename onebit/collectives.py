@@ -131,13 +131,13 @@ def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBa
     :meth:`CompressionState.commit_` (or dropped by ``discard_``). ``multiplier``: compress
     ``buffer * multiplier`` instead (``buffer`` left as it is; in the codec's pass where the
     kernels can); ``bound`` (with ``multiplier``): ``buffer * multiplier`` clamped to
-    ``[-bound, bound]`` (in a pass of its own). (A two-level state,
+    ``[-bound, bound]`` (in the same pass where the kernels can). (A two-level state,
     :class:`onebit.hierarchy.TwoLevelState`, runs its own stages on its own groups, as do the two
     functions below; not staged.)"""
     scaled = {}
     if multiplier is not None:
-        if _fuses(kernels, state) and bound is None:
-            scaled = {"multiplier": multiplier}
+        if _fuses(kernels, state):
+            scaled = {"multiplier": multiplier} if bound is None else {"multiplier": multiplier, "limit": bound}
         else:  # a pass of its own, into a buffer the state keeps
             if state.scaled_input is None or state.scaled_input.shape != buffer.shape:
                 state.scaled_input = torch.empty_like(buffer)

@@ -53,7 +53,7 @@ OPTIMIZERS = [
          dict(weight_decay=0.01)),
     Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
          dict(weight_decay=0.01, compression_space="preconditioned")),
-    # update_bound: m / d clamped before the 1-bit all-reduce (a pass of its own)
+    # update_bound: m / d clamped before the 1-bit all-reduce (in the codec's worker pass)
     Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01, update_bound=0.5)),
     Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01, update_bound=0.5)),
     # overlap_backward: the communication starts from gradient hooks during backward

@@ -978,6 +978,48 @@ def test_multiplier_equals_multiplying_in_a_pass_of_its_own(implementations, nam
     assert_bitwise_equal(got, expected, "decoded times the multiplier")
 
 
+@pytest.mark.parametrize("name", ["reference", "cpu", "cpu-scalar"])
+@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize("limit", [0.1, 0.7, 1e30])
+def test_limit_equals_clamping_in_a_pass_of_its_own(implementations, name, ranks, limit):
+    """``update_bound``'s fused clamp: ``limit=`` with ``multiplier=`` gives what compressing
+    ``(x * multiplier).clamp(-limit, limit)`` gives, bit for bit (0.1 is not a float32: the clamp
+    rounds it to float32 as torch's does); 1e30 clamps nothing."""
+    impl = REFERENCE if name == "reference" else implementations.get(name)
+    n = 8 * ranks * 41
+    bounds = torch.tensor([0, 8 * ranks * 7, n], dtype=torch.int64)
+    x, error = _values(n, 31) * 3, _values(n, 32) * 0.1
+    multiplier = _values(n, 33).abs()
+    multiplier[::13] = 0.0
+    x[5] = -0.0
+    cols = n // 8 // ranks
+    product = x * multiplier
+    clamped = product.clamp(-limit, limit)
+    if limit < 1:
+        assert not torch.equal(clamped, product)  # the clamp has work to do
+    exp_error, exp_wire = error.clone(), _wire(ranks, cols, 34)
+    got_error, got_wire = error.clone(), exp_wire.clone()
+    exp_scales = REFERENCE.worker_compress_(clamped, exp_error, exp_wire[:, :cols], bounds=bounds)
+    got_scales = impl.worker_compress_(x, got_error, got_wire[:, :cols], bounds=bounds, multiplier=multiplier,
+                                       limit=limit)
+    assert_bitwise_equal(got_scales, exp_scales, "worker scales")
+    assert_bitwise_equal(got_wire, exp_wire, "worker signs")
+    assert_bitwise_equal(got_error, exp_error, "worker error")
+
+
+@pytest.mark.parametrize("name", ["reference", "cpu"])
+@pytest.mark.parametrize("limit, match", [(0.0, "limit must be a number > 0"), (-1.0, "limit must be a number > 0"),
+                                          (1e39, "that float32 holds"), (float("nan"), "limit must be a number > 0"),
+                                          (True, "limit must be a number > 0"), (1.0, "give a multiplier with it")])
+def test_a_bad_limit_is_refused(implementations, name, limit, match):
+    impl = REFERENCE if name == "reference" else implementations.get(name)
+    n = 64
+    multiplier = None if match.startswith("give") else torch.ones(n)
+    with pytest.raises(ValueError, match=match):
+        impl.worker_compress_(torch.zeros(n), torch.zeros(n), torch.zeros(1, n // 8, dtype=torch.uint8),
+                              multiplier=multiplier, limit=limit)
+
+
 def test_multiplier_of_the_wrong_size_is_refused():
     impl = get_kernels(torch.device("cpu"), "cpu")
     n = 64

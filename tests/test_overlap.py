@@ -60,7 +60,7 @@ def _backward(model: _Net, rank: int, t: int, micro: int = 0, nan: bool = False,
 def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torch.Tensor]], dict]:
     model = net = _Net()
     extra = dict(compression_space="preconditioned") if scenario == "preconditioned" else {}
-    if scenario == "bounded":  # update_bound's clamp (a pass of its own) on the staged input too
+    if scenario == "bounded":  # update_bound's clamp (in the codec's pass) on the staged input too
         extra = dict(compression_space="preconditioned", update_bound=0.05)
     opt = cls(model.parameters(), lr=1e-2, bucket_size=40, overlap_backward=overlap, **SCHEDULES[cls], **extra)
     if scenario == "ddp":  # accumulation the DDP way: ddp.no_sync() (attach_ddp makes it the optimizer's too)

@@ -100,7 +100,8 @@ registry.register("reference-unfused", lambda: dataclasses.replace(REFERENCE, na
 def test_one_rank_matches_the_oracle(kernels, update_bound):
     """With the multiplies in the codec's passes (``cpu``, ``reference``) or in passes of their
     own (a kernel set without ``multipliers``, as the CUDA kernels), with and without
-    ``update_bound`` (its clamp a pass of its own): the oracle, bit for bit."""
+    ``update_bound`` (its clamp in the codec's worker pass, or in the multiply's pass of its own):
+    the oracle, bit for bit."""
     clamped = []
     got, want = _train(0, 1, 8, "local", kernels, update_bound), oracle(1, 8, update_bound, clamped)
     for t, (a, b) in enumerate(zip(got, want), start=1):
@@ -175,8 +176,8 @@ def test_update_bound_keeps_a_waking_coordinate_from_inflating_its_tensors_steps
 
 @pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
 def test_update_bound_is_a_clamp_and_nothing_else(cls):
-    """A bound no coordinate reaches is the unbounded run, bit for bit (the clamp runs in a pass of
-    its own, the codec's fused multiply does not: the same numbers); a small one changes it."""
+    """A bound no coordinate reaches is the unbounded run, bit for bit (the clamp runs inside the
+    codec's fused multiply and rounds nothing); a small one changes it."""
     def run(**kwargs):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(200))

@@ -79,6 +79,17 @@ def claimed_segments(bounds: torch.Tensor | None) -> int:
     return bounds.numel() - 1 if isinstance(bounds, torch.Tensor) and bounds.numel() > 1 else 1
 
 
+def check_limit(limit: float | None, multiplier: torch.Tensor | None) -> None:
+    """``worker_compress_``'s ``limit``: None, or a number > 0 (NaN refused) given with a ``multiplier``."""
+    if limit is None:
+        return
+    _require(isinstance(limit, (int, float)) and not isinstance(limit, bool)
+             and 0 < limit <= torch.finfo(torch.float32).max,
+             f"worker_compress_: limit must be a number > 0 that float32 holds (the clamp of x * multiplier), "
+             f"got {limit!r}")
+    _require(multiplier is not None, "worker_compress_: limit clamps x * multiplier; give a multiplier with it")
+
+
 def check_worker(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, device_type: str) -> int:
     """Validate worker arguments; return the element count."""
     n = x.numel()

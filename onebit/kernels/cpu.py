@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -43,7 +44,8 @@ from pathlib import Path
 import torch
 
 from .registry import KernelSet, register
-from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, claimed_segments, flat_float
+from ._layout import (byte_rows, check_bounds, check_decode, check_limit, check_server, check_worker, claimed_segments,
+                      flat_float)
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ __all__ = ["load", "build", "compiler_command", "cache_dir", "CACHE_ENV_VAR"]
 CACHE_ENV_VAR = "ONEBIT_CACHE_DIR"
 SOURCE_NAME = "cpu_kernels.cpp"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fvisibility=hidden")
-ABI = 5
+ABI = 6
 
 _c_ptr = ctypes.c_void_p
 _c_i64 = ctypes.c_int64
@@ -145,8 +147,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.onebit_cpu_valid_bounds.restype = _c_int
     lib.onebit_cpu_sumsq.argtypes = [_c_ptr, _c_i64, _c_int]
     lib.onebit_cpu_sumsq.restype = ctypes.c_double
-    lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_ptr,
-                                      _c_i64, _c_i64, _c_ptr, _c_int]
+    lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, ctypes.c_float, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64,
+                                      _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]
     lib.onebit_cpu_worker.restype = None
     lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64,
                                       _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]
@@ -191,9 +193,10 @@ class CpuKernels:
 
     def worker_compress_(self, x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
                          bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None,
-                         multiplier: torch.Tensor | None = None) -> torch.Tensor:
+                         multiplier: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.worker_compress_`: returns the ``(k,)`` scales."""
         total = check_worker(x, error, packed, "cpu")
+        check_limit(limit, multiplier)
         target = _error_target(error, error_out)
         ms = _multiplier(multiplier, total, "worker_compress_")
         nrows = packed.shape[0] if packed.dim() == 2 else 1
@@ -202,10 +205,11 @@ class CpuKernels:
         eo = es if target is error else flat_float(target)
         out = byte_rows(packed, output=True)
         scales = torch.empty(k, dtype=torch.float32)
-        self.lib.onebit_cpu_worker(xs.data_ptr(), None if ms is None else ms.data_ptr(), es.data_ptr(), eo.data_ptr(),
-                                   total, table.data_ptr(), k, nrows,
-                                   out.tensor.data_ptr(), out.row_len, out.row_stride, scales.data_ptr(),
-                                   torch.get_num_threads())
+        # (ctypes rounds the limit to float32, as torch's clamp of a float32 tensor does)
+        self.lib.onebit_cpu_worker(xs.data_ptr(), None if ms is None else ms.data_ptr(),
+                                   math.inf if limit is None else limit, es.data_ptr(), eo.data_ptr(), total,
+                                   table.data_ptr(), k, nrows, out.tensor.data_ptr(), out.row_len, out.row_stride,
+                                   scales.data_ptr(), torch.get_num_threads())
         out.finish_()
         if eo.data_ptr() != target.data_ptr():
             target.copy_(eo.view(target.shape))

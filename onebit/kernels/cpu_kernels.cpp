@@ -179,17 +179,21 @@ struct WorkerSource {  // b = x + e
     }
 };
 
-// b = x * m + e: two roundings, as the reference's two operations. Read once, in the pass of the
-// sums of squares, which also stores b into `b_out` (the error's output: the pack pass then reads
-// b alone, and overwrites it with the new error).
+// b = clamp(x * m, -limit, limit) + e: two roundings, as the reference's two operations (the
+// clamp rounds nothing; a NaN product stays NaN; limit +inf: no clamp). Read once, in the pass of
+// the sums of squares, which also stores b into `b_out` (the error's output: the pack pass then
+// reads b alone, and overwrites it with the new error).
+inline float clamped(float p, float limit) { return p > limit ? limit : (p < -limit ? -limit : p); }
+
 struct ScaledWorkerSource {
     const float* x;
     const float* m;
     const float* e;
     float* b_out;
-    float value(int64_t i) const { return b_out[i] = x[i] * m[i] + e[i]; }
+    float limit;
+    float value(int64_t i) const { return b_out[i] = clamped(x[i] * m[i], limit) + e[i]; }
     void value8(int64_t i, float* v) const {
-        for (int j = 0; j < 8; ++j) v[j] = b_out[i + j] = x[i + j] * m[i + j] + e[i + j];
+        for (int j = 0; j < 8; ++j) v[j] = b_out[i + j] = clamped(x[i + j] * m[i + j], limit) + e[i + j];
     }
 };
 
@@ -327,9 +331,13 @@ struct ScaledWorkerAvx2 {
     const float* m;
     const float* e;
     float* b_out;
-    ONEBIT_AVX2 __m256 load8(int64_t i) const {  // a multiply, then an add: no FMA
-        const __m256 b =
-            _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(m + i)), _mm256_loadu_ps(e + i));
+    float limit;
+    ONEBIT_AVX2 __m256 load8(int64_t i) const {  // a multiply, the clamp, then an add: no FMA
+        // min(hi, p) and max(lo, p) return p when p is NaN (the second operand), as the scalar clamp
+        const __m256 hi = _mm256_set1_ps(limit);
+        const __m256 lo = _mm256_set1_ps(-limit);
+        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(m + i));
+        const __m256 b = _mm256_add_ps(_mm256_max_ps(lo, _mm256_min_ps(hi, p)), _mm256_loadu_ps(e + i));
         _mm256_storeu_ps(b_out + i, b);
         return b;
     }
@@ -569,7 +577,7 @@ using ServerVec = ServerSource;
 
 extern "C" {
 
-ONEBIT_EXPORT int onebit_cpu_abi(void) { return 5; }
+ONEBIT_EXPORT int onebit_cpu_abi(void) { return 6; }
 
 // 1 when the AVX2 paths are in use, 0 for the portable paths.
 ONEBIT_EXPORT int onebit_cpu_vector_path(void) { return use_avx2() ? 1 : 0; }
@@ -598,23 +606,24 @@ ONEBIT_EXPORT double onebit_cpu_sumsq(const float* b, int64_t n, int threads) {
 }
 
 // Worker over `total` elements in the k segments of `bounds` (k + 1 entries, 0 .. total, each
-// segment a multiple of 8 nrows): b = x + e (or x * m + e where m is not null); per segment i, scale_i = blocked RMS of its b; chunk j
+// segment a multiple of 8 nrows): b = x + e (or clamp(x * m, -limit, limit) + e where m is not
+// null; limit +inf: no clamp); per segment i, scale_i = blocked RMS of its b; chunk j
 // of it packed into wire row j at byte bounds[i] / (8 nrows); e_out <- b - scale_i * sign(b)
 // (e_out may be e, or a buffer of its own: e is then left as it was); scales into
 // scales_out[0..k). Wire byte w (row w / (total / (8 nrows))) lives at
 // packed + (w / row_len) * row_stride + w % row_len.
-ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const float* m, const float* e, float* e_out, int64_t total,
-                                     const int64_t* bounds, int64_t k, int64_t nrows, uint8_t* packed, int64_t row_len,
-                                     int64_t row_stride, float* scales_out, int threads) {
+ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const float* m, float limit, const float* e, float* e_out,
+                                     int64_t total, const int64_t* bounds, int64_t k, int64_t nrows, uint8_t* packed,
+                                     int64_t row_len, int64_t row_stride, float* scales_out, int threads) {
     const Segments seg{bounds, k, 1};
     const ByteRows rows{packed, row_len, row_stride};
     const int t = clamp_threads(threads, total);
     if (m) {  // b stored into e_out by the sums' pass, packed from there
         const auto stored = [e_out](int64_t) { return PlainSource{e_out}; };
         const auto stored_vec = [e_out](int64_t) { return PlainVec{e_out}; };
-        compress(seg, [=](int64_t) { return ScaledWorkerSource{x, m, e, e_out}; },
-                 [=](int64_t) { return ScaledWorkerVec{x, m, e, e_out}; }, stored, stored_vec, e_out, total, nrows,
-                 rows, scales_out, t);
+        compress(seg, [=](int64_t) { return ScaledWorkerSource{x, m, e, e_out, limit}; },
+                 [=](int64_t) { return ScaledWorkerVec{x, m, e, e_out, limit}; }, stored, stored_vec, e_out, total,
+                 nrows, rows, scales_out, t);
         return;
     }
     const auto src_of = [x, e](int64_t) { return WorkerSource{x, e}; };

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from ._layout import check_limit
 from .blocked import blocked_rms_scale
 
 __all__ = ["pack_signs", "unpack_signs", "rms_scale", "segment_bounds", "worker_compress_", "server_compress_", "decode_"]
@@ -80,11 +81,13 @@ def segment_bounds(bounds: torch.Tensor | None, total: int) -> list[int]:
 
 def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
                      bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None,
-                     multiplier: torch.Tensor | None = None) -> torch.Tensor:
+                     multiplier: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
     """Worker side: for each segment ``b = x + error``; pack ``sign(b)``; ``error <- b - s*sign(b)``.
     Given ``multiplier`` (float32, ``x``'s length), ``b = x * multiplier + error`` instead: a
     multiply and an add, each rounded to float32 (what compressing ``x * multiplier`` gives,
-    without writing it).
+    without writing it). Given ``limit`` (a float32 value > 0, with ``multiplier``),
+    ``b = clamp(x * multiplier, -limit, limit) + error`` (a clamp rounds nothing: what compressing
+    the clamped product gives; a NaN stays NaN).
 
     ``x`` and ``error`` are flat, ``M`` elements, cut into segments by ``bounds`` (int64
     ``[0, o_1, ..., M]``; ``None``: one segment), each a multiple of ``8 n`` elements long, where
@@ -101,7 +104,14 @@ def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
     rows = packed.reshape(-1, packed.shape[-1]) if packed.dim() == 2 else packed.reshape(1, -1)
     n = rows.shape[0]
     edges = segment_bounds(bounds, x.numel())
-    b = (x if multiplier is None else x * multiplier.reshape(x.shape)) + error
+    check_limit(limit, multiplier)
+    if multiplier is None:
+        b = x + error
+    else:
+        scaled = x * multiplier.reshape(x.shape)
+        if limit is not None:
+            scaled = scaled.clamp(-limit, limit)
+        b = scaled + error
     target = error if error_out is None else error_out
     scales = []
     out = rows.clone()

@@ -25,7 +25,8 @@ class KernelSet:
     functions take ``error_out=`` (the new error written there, ``error`` left as it is); else
     the caller copies the error there first and compresses in place. ``multipliers``: its
     ``worker_compress_`` and ``decode_`` take ``multiplier=`` (the input multiplied by it as it
-    is read, the output as it is written); else the caller multiplies in passes of its own."""
+    is read, the output as it is written) and ``worker_compress_`` takes ``limit=`` (the product
+    clamped as it is read); else the caller multiplies and clamps in passes of its own."""
 
     name: str
     worker_compress_: Callable[..., torch.Tensor]
