@@ -43,7 +43,7 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
     out = [("momentum", {"compression_space": "momentum"}), ("preconditioned", {"compression_space": "preconditioned"})]
     if args.unfused:  # the multiplies in passes of their own (as with kernels without `multipliers`)
         out.append(("preconditioned, multiplies unfused", {"compression_space": "preconditioned", "kernels": "cpu-unfused"}))
-    if args.bound:  # m / d clamped (update_bound): the multiply and the clamp in a pass of their own
+    if args.bound:  # m / d clamped (update_bound): in the codec's fused multiply (CPU kernels)
         out.append(("preconditioned, update_bound=1", {"compression_space": "preconditioned", "update_bound": 1.0}))
     return out
 

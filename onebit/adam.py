@@ -47,12 +47,14 @@ class OnebitAdam(FrozenVarianceOptimizer):
             Adam's step there (a coordinate with a tiny frozen variance cannot take a step of
             ``lr * scale / eps``); or ``"momentum"``: ``m``, DeepSpeed's numerics. The same
             bytes; measured in ``examples/bert/README.md``.
-        update_bound: ``None`` (default) or ``c > 0`` (with the preconditioned space): each
+        update_bound: ``"auto"`` (default: 1 in the preconditioned space, None in the momentum
+            space), ``None`` (no bound) or ``c > 0`` (with the preconditioned space): each
             coordinate's ``u = m / d`` is clamped to ``+-c B bc1`` before the 1-bit all-reduce,
             ``B = (1 - beta1) / sqrt((1 - beta2) (1 - beta1**2 / beta2))``, the largest
             ``|m / sqrt(v)|`` Adam reaches (1.70 for betas (0.9, 0.98), 7.27 for (0.9, 0.999)), so
             that a coordinate whose gradient outgrows its frozen variance cannot inflate its
-            tensor's scale (and step) by orders of magnitude. The clamp runs in the codec's
+            tensor's scale (and step) by orders of magnitude (measured: ``examples/bert/README.md``;
+            the default because it costs nothing measurable there). The clamp runs in the codec's
             pass that multiplies by ``1 / d`` (the CPU kernels'; a pass of its own with kernels
             that do not multiply as they read, e.g. CUDA's). Not saved in state dicts.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
@@ -76,7 +78,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
         bias_correction: bool = False,
         compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
-        update_bound: float | None = None,
+        update_bound: float | str | None = "auto",
         **options: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,

@@ -87,7 +87,8 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                   "null (flat), \"host\" or an integer (ranks per node)"),
     "hierarchy_variant": (lambda v: isinstance(v, str), "a string: \"compressed\" or \"node_mean\""),
     "compression_space": (lambda v: isinstance(v, str), "a string: \"momentum\" or \"preconditioned\""),
-    "update_bound": (lambda v: v is None or _real(v), "a number (1: Adam's own largest step) or null"),
+    "update_bound": (lambda v: v is None or v == "auto" or _real(v),
+                     "\"auto\", a number (1: Adam's own largest step) or null"),
     **{key: (_real, "a number")
        for key in ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")},
 }

@@ -77,7 +77,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         factor_threshold: the largest relative change of ``f`` per step.
         compression_space: ``"preconditioned"`` (default) or ``"momentum"`` (DeepSpeed's
             numerics): as for :class:`onebit.OnebitAdam`.
-        update_bound: ``None`` (default) or ``c > 0``: as for :class:`onebit.OnebitAdam`.
+        update_bound: ``"auto"`` (default), ``None`` or ``c > 0``: as for :class:`onebit.OnebitAdam`.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -110,7 +110,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         *,
         compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
-        update_bound: float | None = None,
+        update_bound: float | str | None = "auto",
         **options: Any,
     ) -> None:
         check_number("coeff_beta", coeff_beta, high=1.0, high_open=True)

@@ -13,7 +13,7 @@ import torch
 
 from conftest import all_equal
 from distributed import run_ranks
-from onebit import OnebitAdam, OnebitLamb
+from onebit import OnebitAdam, OnebitLamb, from_config
 from onebit.kernels import REFERENCE, registry
 from onebit.testing import simulate_compressed_allreduce
 
@@ -167,8 +167,9 @@ def _largest_moves(cls, **kwargs) -> float:
 @pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
 def test_update_bound_keeps_a_waking_coordinate_from_inflating_its_tensors_steps(cls):
     # measured 2026-11-26: Adam 8,385 lr without the bound, 4.5 with it; LAMB 625 and 0.57
-    free, bounded = _largest_moves(cls), _largest_moves(cls, update_bound=1.0)
+    free, bounded = _largest_moves(cls, update_bound=None), _largest_moves(cls, update_bound=1.0)
     assert free > 100 * bounded, (free, bounded)  # without it m / d of the ten sets the tensor's scale
+    assert _largest_moves(cls) == bounded  # the default ("auto") is this bound
     if cls is OnebitAdam:
         largest = 0.1 / math.sqrt(0.001 * (1 - 0.81 / 0.999))  # Adam's largest |m / sqrt(v)|, betas (0.9, 0.999)
         assert free > 30 * largest and bounded < 3 * largest, (free, bounded)  # clamped values, plus error feedback
@@ -187,8 +188,8 @@ def test_update_bound_is_a_clamp_and_nothing_else(cls):
             opt.step()
         return p.detach().clone()
 
-    assert torch.equal(run(), run(update_bound=1e30))
-    assert not torch.equal(run(), run(update_bound=0.05))
+    assert torch.equal(run(update_bound=None), run(update_bound=1e30))
+    assert not torch.equal(run(update_bound=None), run(update_bound=0.05))
 
 
 @pytest.mark.parametrize("bias_correction", [False, True])
@@ -209,13 +210,32 @@ def test_update_bound_is_c_times_adams_largest_ratio_of_m_hat(bias_correction, c
 @pytest.mark.parametrize("bad, message", [
     (dict(update_bound=0), "0 would keep every parameter still"),
     (dict(update_bound=-1.0), "invalid update_bound"),
-    (dict(update_bound="1"), "update_bound must be a real number"),
+    (dict(update_bound="1"), "invalid update_bound '1': give 'auto'"),
+    (dict(update_bound=[1.0]), "update_bound must be a real number"),
     (dict(update_bound=1.0, compression_space="momentum"), "only compression_space='preconditioned'"),
     (dict(update_bound=1.0, betas=(0.99, 0.9)), "needs beta1\\*\\*2 < beta2"),
 ])
 def test_update_bound_refuses_what_it_cannot_do(bad, message):
     with pytest.raises((TypeError, ValueError), match=message):
         OnebitAdam([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, freeze_step=2, comm_backend_name="local", **bad)
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
+def test_the_default_bound_is_one_in_the_preconditioned_space_and_none_in_the_momentum_space(cls, caplog):
+    """``update_bound="auto"`` (the default): 1 where it applies; DeepSpeed's numerics (the
+    momentum space) unclamped; a group whose betas leave Adam's step unbounded quietly unclamped
+    (an explicit bound there is refused, above)."""
+    p = [torch.nn.Parameter(torch.zeros(8))]
+    assert cls(p, lr=1e-3, freeze_step=2, comm_backend_name="local").update_bound == 1.0
+    assert cls(p, lr=1e-3, freeze_step=2, comm_backend_name="local", compression_space="momentum").update_bound is None
+    opt = cls(p, lr=1e-3, freeze_step=2, comm_backend_name="local", betas=(0.99, 0.9))
+    (bucket,) = opt._buckets
+    with caplog.at_level(logging.WARNING, logger="onebit"):
+        assert opt._codec_bound(bucket, 3) is None
+    assert not [r for r in caplog.records if "clamps nothing" in r.getMessage()]
+    params = {"lr": 1e-3, "freeze_step": 2, "update_bound": "auto", "comm_backend_name": "local"}
+    config = {"optimizer": {"type": cls.CONFIG_TYPE, "params": params}}
+    assert from_config(p, config).update_bound == 1.0
 
 
 def test_the_space_is_saved_and_a_checkpoint_restores_it(caplog):
