@@ -3,7 +3,7 @@
 
     python benchmarks/space_cost.py                         # 2 ranks, 25.2M params, 30 rounds
     python benchmarks/space_cost.py --optimizer lamb --rounds 10
-    python benchmarks/space_cost.py --bound                 # and update_bound=1: results/space_cost_bound.*
+    python benchmarks/space_cost.py --bound                 # and update_bound=None: results/space_cost_bound.*
 
 Each rank builds one model per configuration (the model of ``peers.py``, same initial values) and
 runs their compression steps interleaved: every round runs one step of each configuration, in a
@@ -40,11 +40,12 @@ OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    # "preconditioned" is the default: with update_bound="auto", i.e. m / d clamped at 1 in the codec's pass
     out = [("momentum", {"compression_space": "momentum"}), ("preconditioned", {"compression_space": "preconditioned"})]
     if args.unfused:  # the multiplies in passes of their own (as with kernels without `multipliers`)
         out.append(("preconditioned, multiplies unfused", {"compression_space": "preconditioned", "kernels": "cpu-unfused"}))
-    if args.bound:  # m / d clamped (update_bound): in the codec's fused multiply (CPU kernels)
-        out.append(("preconditioned, update_bound=1", {"compression_space": "preconditioned", "update_bound": 1.0}))
+    if args.bound:  # without the clamp of m / d (the default before 2026-11-26)
+        out.append(("preconditioned, update_bound=None", {"compression_space": "preconditioned", "update_bound": None}))
     return out
 
 
@@ -116,7 +117,8 @@ def main() -> None:
     parser.add_argument("--unfused", action="store_true",
                         help="add the preconditioned space with the multiplies in passes of their own")
     parser.add_argument("--bound", action="store_true",
-                        help="add the preconditioned space with update_bound=1 (writes space_cost[_lamb]_bound.*)")
+                        help="add the preconditioned space without its default bound, update_bound=None "
+                             "(writes space_cost[_lamb]_bound.*)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     result = run_local_ranks(_rank, args.world_size, args)

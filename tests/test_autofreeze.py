@@ -111,6 +111,50 @@ def test_a_skipped_step_does_not_count_as_a_window(monkeypatch):
     assert opt.freeze_step is None
 
 
+def _decide(totals, corrected, previous=None, zeros=0.0, min_steps=20):
+    """Run the checks at steps 11, 21, ... over given totals: the step chosen, or None."""
+    auto = autofreeze.AutoFreeze(min_steps=min_steps)
+    auto.previous = previous
+    for k, (total, fixed) in enumerate(zip(totals, corrected), start=1):
+        done = k * autofreeze.WINDOW
+        if auto.check(done + 1, done, lambda: (total, zeros, 1000, fixed)) is not None:
+            return done + 1
+    return None
+
+
+def test_growth_that_is_only_an_uncorrected_variance_filling_up_does_not_hold_the_freeze_back():
+    """Without bias correction ``sqrt(v)`` grows while its average fills up from 0, with
+    gradients of a steady size: the growth test looks at the bias-corrected total, so a frozen
+    total growing 1.5% per window with a steady corrected one freezes at the first check it can;
+    gradients that grow (the corrected total growing 1.5% too) do not freeze."""
+    filling = [100.0 * 1.015 ** k for k in range(6)]
+    assert _decide(filling, [50.0] * 6) == 21
+    assert _decide(filling, [50.0 * 1.015 ** k for k in range(6)]) is None
+    assert _decide(filling, [50.0] * 6, zeros=5.0) == 21  # zeros that stay put: nothing woke up
+    # more than 2% per window of the total actually frozen is not settled, whatever the cause
+    assert _decide([100.0 * 1.03 ** k for k in range(6)], [50.0] * 6) is None
+    # a state saved before the corrected total was kept (two numbers): the frozen total's growth
+    # judges the first comparison (the stricter test), the corrected one the next
+    old = autofreeze.AutoFreeze.from_state({"min_steps": 1, "max_steps": None, "checked": 0, "previous": [100.0, 0.0]})
+    assert old.previous == (100.0, 0.0, None)
+    assert autofreeze.AutoFreeze.from_state(old.state()).previous == (100.0, 0.0, None)
+    assert _decide(filling[1:], [50.0] * 5, previous=old.previous, min_steps=1) == 21
+    assert _decide(filling[1:], [50.0] * 5, previous=(100.0, 0.0, 50.0), min_steps=1) == 11
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_measure_gives_the_frozen_and_the_bias_corrected_totals(bias_correction):
+    model = _model()
+    opt = _make(OnebitAdam, model, freeze_step="auto", bias_correction=bias_correction, betas=(0.9, 0.99))
+    _train(model, opt, range(1, 16))
+    total, zeros, count, corrected = autofreeze.measure(opt._buckets, opt.param_groups, 15)
+    root = sum(float(b.buffers["exp_avg_sq"].sqrt().sum()) for b in opt._buckets)
+    bc2 = 1 - 0.99 ** 15
+    assert corrected == pytest.approx(root / bc2 ** 0.5, rel=1e-6)
+    assert total == pytest.approx(corrected if bias_correction else root, rel=1e-6)
+    assert count == sum(p.numel() for p in model.parameters()) and zeros == 0
+
+
 def test_bad_input_is_refused_with_the_fix():
     params = _model().parameters
     with pytest.raises(ValueError, match="freeze_bounds=\\(1, 5\\) applies only to freeze_step='auto'"):
