@@ -25,6 +25,8 @@ __all__ = ["FrozenVarianceOptimizer", "WARMUP", "COMPRESSION"]
 #: kept DeepSpeed's defaults from a 92,799 lr step, and left the demo within the runs' noise).
 AUTO_UPDATE_BOUND = 1.0
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 WARMUP = StepPlan("warmup", average_gradients=True)
 COMPRESSION = StepPlan("compression", compress=True)
 
@@ -65,15 +67,15 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
             raise ValueError(f"invalid update_bound {update_bound!r}: give 'auto' (the default), a number > 0 "
                              "(1: Adam's own largest step) or None for no bound")
         self._bound_given = update_bound != "auto"
-        if not self._bound_given:
-            update_bound = AUTO_UPDATE_BOUND if compression_space == "preconditioned" else None
-        check_update_bound(update_bound)
-        if update_bound is not None and compression_space != "preconditioned":
-            raise ValueError(f"update_bound={update_bound!r} clamps m / d, which only compression_space='preconditioned' "
-                             f"compresses (got {compression_space!r}); pass that space or update_bound=None")
+        if self._bound_given:
+            check_update_bound(update_bound)
+            if update_bound is not None and compression_space != "preconditioned":
+                raise ValueError(f"update_bound={update_bound!r} clamps m / d, which only compression_space='preconditioned' "
+                                 f"compresses (got {compression_space!r}); pass that space or update_bound=None")
         self.freeze_step: int | None = freeze_step  # None: 'auto', not decided yet
         self.compression_space = compression_space
-        self.update_bound = update_bound
+        # "auto" or the bound given; resolved against the space in force (a checkpoint may restore another)
+        self._bound_setting: float | str | None = update_bound
         self._unbounded: set[int] = set()  # the groups whose betas left update_bound nothing to clamp (said once)
         super().__init__(params, defaults, **options)
         if update_bound is not None and self._bound_given:
@@ -81,6 +83,15 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                 if F.adam_largest_ratio(*group["betas"]) is None:
                     raise ValueError(f"update_bound needs beta1**2 < beta2 (Adam's largest step is unbounded "
                                      f"otherwise), got betas {group['betas']}; pass update_bound=None")
+
+    @property
+    def update_bound(self) -> float | None:
+        """The clamp of ``m / d`` in force: ``"auto"`` is :data:`AUTO_UPDATE_BOUND` in the
+        preconditioned space; in the momentum space (given, or restored from a checkpoint) nothing
+        is clamped."""
+        if self.compression_space != "preconditioned":
+            return None
+        return AUTO_UPDATE_BOUND if self._bound_setting == "auto" else self._bound_setting
 
     def plan_for(self, step: int) -> StepPlan:
         if self.freeze_step is None:  # 'auto', undecided: warmup until it decides, at the latest bound at most
@@ -158,7 +169,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
             self._unbounded.add(bucket.group_index)
             return None
         bc1 = F.bias_corrections(t, t, beta1, beta2, group.get("bias_correction", False))[0]
-        return self.update_bound * largest * bc1
+        bound = self.update_bound * largest * bc1
+        return bound if bound < _FLOAT32_MAX else None  # one float32 cannot hold clamps nothing
 
     def _preconditioner(self, bucket: Bucket, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(1 / d, d)`` over the padded buffer for the frozen ``d = sqrt(v / bc2) + eps``, ``1 / d``
@@ -214,6 +226,10 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                 logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, schedule[key],
                             getattr(self, key))
             setattr(self, key, schedule[key])
+        if (self._speaks and self._bound_given and self._bound_setting is not None
+                and self.compression_space != "preconditioned"):
+            logger.warning("onebit: update_bound=%g clamps nothing in the momentum space restored from the checkpoint",
+                           self._bound_setting)
 
 
 def _pair(bounds: Any) -> tuple[Any, Any]:

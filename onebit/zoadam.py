@@ -140,6 +140,9 @@ class ZeroOneAdam(OnebitOptimizer):
         **options: Any,
     ) -> None:
         check_compression_space(compression_space)
+        if isinstance(update_bound, str) and update_bound == "auto":
+            raise ValueError("ZeroOneAdam has no update_bound='auto' (1-bit Adam's and LAMB's default); give None "
+                             "(the default, DeepSpeed's numerics) or a number > 0 (1: Adam's own largest step)")
         check_update_bound(update_bound)
         self.update_bound = update_bound
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,

@@ -992,11 +992,12 @@ def test_limit_equals_clamping_in_a_pass_of_its_own(implementations, name, ranks
     multiplier = _values(n, 33).abs()
     multiplier[::13] = 0.0
     x[5] = -0.0
+    x[6], x[7] = float("inf"), float("-inf")  # clamped to +-limit (their multipliers are not 0)
+    multiplier[6:8] = 1.0
     cols = n // 8 // ranks
     product = x * multiplier
     clamped = product.clamp(-limit, limit)
-    if limit < 1:
-        assert not torch.equal(clamped, product)  # the clamp has work to do
+    assert not torch.equal(clamped, product)  # the clamp has work to do (the infinities, at least)
     exp_error, exp_wire = error.clone(), _wire(ranks, cols, 34)
     got_error, got_wire = error.clone(), exp_wire.clone()
     exp_scales = REFERENCE.worker_compress_(clamped, exp_error, exp_wire[:, :cols], bounds=bounds)

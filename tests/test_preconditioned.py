@@ -90,13 +90,25 @@ def _train(rank: int, world_size: int, steps: int, backend: str | None = None,
     return out
 
 
-# The reference codec as a kernel set without ``multipliers``: the engine multiplies in passes of its own.
+# The reference codec as a kernel set without ``multipliers``: the engine multiplies in passes of its own;
+# and one that multiplies as it reads but takes no ``limit=`` (a kernel set written before it): the
+# engine multiplies and clamps in a pass of its own.
 registry.register("reference-unfused", lambda: dataclasses.replace(REFERENCE, name="reference-unfused",
                                                                    multipliers=False))
 
 
+def _no_limit(x, error, packed, **kwargs):
+    if "limit" in kwargs:
+        raise TypeError("worker_compress_() got an unexpected keyword argument 'limit'")
+    return REFERENCE.worker_compress_(x, error, packed, **kwargs)
+
+
+registry.register("reference-nolimits", lambda: dataclasses.replace(REFERENCE, name="reference-nolimits",
+                                                                    worker_compress_=_no_limit, limits=False))
+
+
 @pytest.mark.parametrize("update_bound", [None, 0.02])
-@pytest.mark.parametrize("kernels", ["cpu", "reference", "reference-unfused"])
+@pytest.mark.parametrize("kernels", ["cpu", "reference", "reference-unfused", "reference-nolimits"])
 def test_one_rank_matches_the_oracle(kernels, update_bound):
     """With the multiplies in the codec's passes (``cpu``, ``reference``) or in passes of their
     own (a kernel set without ``multipliers``, as the CUDA kernels), with and without
@@ -262,6 +274,41 @@ def test_the_space_is_saved_and_a_checkpoint_restores_it(caplog):
     fresh = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local")
     fresh.load_state_dict(older)
     assert fresh.compression_space == "momentum"
+
+
+def test_the_bound_follows_the_space_a_checkpoint_restores(caplog):
+    """``update_bound="auto"`` is resolved against the space in force: a momentum-space
+    checkpoint loaded into a default optimizer clamps nothing (the codec would not, and the
+    health check must not either), a preconditioned one loaded into a momentum-space optimizer
+    clamps at 1; an explicit bound meeting a restored momentum space says it clamps nothing."""
+    def trained(**kwargs):
+        params = _params()
+        opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, comm_backend_name="local", **kwargs)
+        for t in range(1, 6):
+            for p, g in zip(params, _grads(0, t)):
+                p.grad = g
+            opt.step()
+        return opt
+
+    momentum, preconditioned = trained(compression_space="momentum").state_dict(), trained().state_dict()
+    default = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local")
+    default.load_state_dict(momentum)
+    assert default.update_bound is None and default._codec_bound(default._buckets[0], 10) is None
+    other = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local", compression_space="momentum")
+    other.load_state_dict(preconditioned)
+    assert other.update_bound == 1.0 and other._codec_bound(other._buckets[0], 10) is not None
+    explicit = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local", update_bound=0.5)
+    with caplog.at_level(logging.WARNING, logger="onebit"):
+        explicit.load_state_dict(momentum)
+    assert explicit.update_bound is None
+    assert any("update_bound=0.5 clamps nothing in the momentum space" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bound_float32_cannot_hold_clamps_nothing():
+    opt = OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local", update_bound=1e38)
+    assert opt._codec_bound(opt._buckets[0], 10) is None  # 1e38 * 7.27 overflows float32
+    assert OnebitAdam(_params(), lr=LR, freeze_step=FREEZE, comm_backend_name="local",
+                      update_bound=1e30)._codec_bound(opt._buckets[0], 10) > 1e30
 
 
 def test_an_unknown_space_is_refused():

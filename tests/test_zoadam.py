@@ -967,6 +967,7 @@ def test_a_large_update_bound_changes_nothing_but_rounding():
     (-1.0, ValueError, r"invalid update_bound: -1.0; it must be finite and >= 0.0"),
     (float("inf"), ValueError, "invalid update_bound: inf"),
     ("1", TypeError, "update_bound must be a real number, got '1'"),
+    ("auto", ValueError, "ZeroOneAdam has no update_bound='auto'"),
 ])
 def test_a_bad_update_bound_is_refused(value, error, match):
     with pytest.raises(error, match=match):

@@ -257,7 +257,7 @@ class CpuKernels:
     def kernel_set(self) -> KernelSet:
         return KernelSet(name="cpu", worker_compress_=self.worker_compress_,
                          server_compress_=self.server_compress_, decode_=self.decode_, separate_errors=True,
-                         multipliers=True)
+                         multipliers=True, limits=True)
 
 
 _KERNELS: CpuKernels | None = None

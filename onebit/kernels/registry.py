@@ -25,8 +25,9 @@ class KernelSet:
     functions take ``error_out=`` (the new error written there, ``error`` left as it is); else
     the caller copies the error there first and compresses in place. ``multipliers``: its
     ``worker_compress_`` and ``decode_`` take ``multiplier=`` (the input multiplied by it as it
-    is read, the output as it is written) and ``worker_compress_`` takes ``limit=`` (the product
-    clamped as it is read); else the caller multiplies and clamps in passes of its own."""
+    is read, the output as it is written); else the caller multiplies in passes of its own.
+    ``limits`` (with ``multipliers``): its ``worker_compress_`` also takes ``limit=`` (the product
+    clamped as it is read); else the caller multiplies and clamps in a pass of its own."""
 
     name: str
     worker_compress_: Callable[..., torch.Tensor]
@@ -34,6 +35,7 @@ class KernelSet:
     decode_: Callable[..., torch.Tensor]
     separate_errors: bool = False
     multipliers: bool = False
+    limits: bool = False
 
 
 REFERENCE = KernelSet(
@@ -43,6 +45,7 @@ REFERENCE = KernelSet(
     decode_=reference.decode_,
     separate_errors=True,
     multipliers=True,
+    limits=True,
 )
 
 # name -> loader returning a KernelSet or raising ImportError/RuntimeError with the cause.
