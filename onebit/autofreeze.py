@@ -135,8 +135,9 @@ def measure(buckets: list, groups: list[dict[str, Any]], t: int) -> tuple[float,
         # torch's float32 sum is blocked (relative error ~1e-7 at 25M elements, far below the 1 %
         # the decision compares with); summing in float64 would cast every element, 2.6x the time
         root = float(torch.sqrt(v).sum())
-        total += root / math.sqrt(bc2) if group.get("bias_correction", False) else root
-        corrected += root / math.sqrt(bc2)
+        root_corrected = root / math.sqrt(bc2)
+        corrected += root_corrected
+        total += root_corrected if group.get("bias_correction", False) else root
         zeros += bucket.numel - float(torch.count_nonzero(v))  # (the padding is always 0: not counted)
         count += bucket.numel
     return total, zeros, count, corrected
