@@ -524,3 +524,37 @@ def test_compare_exits_1_on_a_real_run_that_blows_up(tmp_path):
         summary = json.loads((out / name / "summary.json").read_text())
         assert summary["status"] == "diverged" and summary["params_in_sync"]
         assert "THE RUN DIVERGED" in (out / name / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_sweep_seeds_makes_every_run_per_seed_and_compares_it_with_adam_of_that_seed(tmp_path):
+    """``sweep.py --seeds``: each run once per seed, with that seed (other initial weights, so other
+    losses), and the side-by-side table's ratios are each run's loss over its seed's Adam loss."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, str(EXAMPLE / "sweep.py"), "--steps", "3", "--out", str(out), "--timeout", str(RUN_TIMEOUT_S),
+           "--runs", "demo_adam", "demo_onebit", "--seeds", "5", "6", "--corpus", "pydoc", "--limit-chars", "80000",
+           "--vocab-size", "512", "--model", "micro", "--seq-len", "32", "--batch-size", "8", "--lr-warmup", "1",
+           "--eval-every", "3", "--log-every", "1", "--checkpoint-every", "0", "--cache-dir", str(tmp_path / "cache")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * RUN_TIMEOUT_S + 30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = {}
+    for seed in (5, 6):
+        for name in ("demo_adam", "demo_onebit"):
+            run_dir = out / f"seed{seed}" / name
+            start = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+            assert start["settings"]["seed"] == seed
+            losses[seed, name] = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
+    assert losses[5, "demo_adam"] != losses[6, "demo_adam"]  # the seed reached the runs
+    saved = json.loads((out / "sweep.json").read_text())
+    row = [line for line in done.stdout.splitlines() if line.startswith("| demo_onebit |")][-1]  # (the last table)
+    ratios = [losses[seed, "demo_onebit"] / losses[seed, "demo_adam"] for seed in (5, 6)]
+    for seed, ratio in zip((5, 6), ratios):
+        assert saved[str(seed)]["demo_onebit"]["vs_adam"] == pytest.approx(ratio)
+        assert f"({ratio:.4f})" in row
+    assert row.rstrip(" |").endswith(f"{sum(ratios) / 2:.4f} | {max(ratios):.4f}")
+
+
+def test_sweep_refuses_seed_with_seeds(tmp_path):
+    cmd = [sys.executable, str(EXAMPLE / "sweep.py"), "--out", str(tmp_path), "--seeds", "1", "2", "--seed", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--seeds only" in done.stderr, done.stderr

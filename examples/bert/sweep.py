@@ -8,6 +8,11 @@ Prints a markdown table (final validation loss, its ratio to the Adam run of the
 bytes per compression step, the compression errors, status) and writes ``OUT/sweep.json``. Any
 other arguments go to ``pretrain.py``.
 
+With ``--seeds S1 S2 ...`` every run is made once per seed (``OUT/seed<S>/<run>``; the seed picks
+the initial weights and the batches), each compared with its Adam run of the same seed, and a
+second table gives each run's ratios side by side with their mean and worst: at 600 steps a 1-bit
+run near the edge of stability can finish within 1% of Adam with one seed and stall with another.
+
 The runs:
 
 * ``ds_adam`` / ``ds_onebit``: DeepSpeed's defaults as a migrating user writes them
@@ -133,18 +138,52 @@ def _fmt(value, spec: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # (--seed goes to pretrain.py)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--out", required=True)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--runs", nargs="+", default=["ds_adam", "ds_onebit", "demo_adam", "demo_onebit"])
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="make every run once per seed (pretrain.py's --seed), in OUT/seed<S>/")
     args, passthrough = parser.parse_known_args()
+    if args.seeds is not None and any(arg == "--seed" or arg.startswith("--seed=") for arg in passthrough):
+        parser.error("give the seeds with --seeds only (--seed goes to every run of a --seeds sweep)")
     runs = configs(args.steps)
     unknown = [r for r in args.runs if r not in runs]
     if unknown:
         parser.error(f"unknown runs {unknown}; expected some of {sorted(runs)}")
     out = Path(args.out)
+    if args.seeds is None:
+        results = sweep(runs, args, out, passthrough)
+        (out / "sweep.json").write_text(json.dumps(results, indent=2))
+        print_table(results)
+        return
+    by_seed = {}
+    for seed in args.seeds:
+        by_seed[seed] = sweep(runs, args, out / f"seed{seed}", [*passthrough, "--seed", str(seed)])
+        print(f"seed {seed}:")
+        print_table(by_seed[seed])
+    (out / "sweep.json").write_text(json.dumps({str(seed): results for seed, results in by_seed.items()}, indent=2))
+    print()
+    print("| run | " + " | ".join(f"seed {seed}" for seed in args.seeds) + " | mean vs Adam | worst vs Adam |")
+    print("|---|" + "---:|" * (len(args.seeds) + 2))
+    for name in args.runs:
+        cells, ratios = [], []
+        for seed in args.seeds:
+            r = by_seed[seed][name]
+            cells.append(f"{_fmt(r['final_val_loss'], '.4f')} ({_fmt(r['vs_adam'], '.4f')})")
+            if r["vs_adam"] is not None and math.isfinite(r["vs_adam"]):
+                ratios.append(r["vs_adam"])
+            else:  # a diverged run (NaN) is the worst
+                ratios.append(math.inf)
+        complete = all(by_seed[seed][name]["vs_adam"] is not None for seed in args.seeds)
+        mean = sum(ratios) / len(ratios) if complete else None
+        print(f"| {name} | " + " | ".join(cells) + f" | {_fmt(mean, '.4f')} | {_fmt(max(ratios) if complete else None, '.4f')} |")
+
+
+def sweep(runs: dict[str, tuple[dict, str, str]], args: argparse.Namespace, out: Path, passthrough: list[str]) -> dict:
+    """Make (or read back, when a run's summary exists) each of ``args.runs`` in ``out``."""
     results = {}
     for name in args.runs:
         params, _, kind = runs[name]
@@ -160,7 +199,10 @@ def main() -> None:
         adam = results.get(runs[name][1])
         ok = adam is not None and result["final_val_loss"] is not None and adam["final_val_loss"]
         result["vs_adam"] = result["final_val_loss"] / adam["final_val_loss"] if ok else None
-    (out / "sweep.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def print_table(results: dict) -> None:
     print("| run | final val loss | vs Adam | KiB / compression step | mean worker error norm "
           "| mean error/momentum (worst tensor) | largest step / lr | status | wall s |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
