@@ -40,6 +40,7 @@ SHORT = {"variance": "V", "compressed_gradient": "G", "local": "L", "sync": "S"}
 
 
 def make_optimizer(params, **options) -> onebit.ZeroOneAdam:
+    options.setdefault("update_bound", None)  # DeepSpeed's numerics (the default bounds each step: 1)
     return onebit.ZeroOneAdam(params, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
                               weight_decay=HYPER["weight_decay"], **{k: HYPER[k] for k in SCHEDULE}, **options)
 

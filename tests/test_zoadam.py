@@ -226,6 +226,7 @@ def _groups(net: Net, uncompressed: bool = False) -> list[dict]:
 def _optimizer(net: Net, backend: str | None, bucket_size: int = BUCKET, uncompressed: bool = False,
                **kwargs) -> ZeroOneAdam:
     where = {"backend": LocalBackend()} if backend == "local" else {"comm_backend_name": backend}
+    kwargs.setdefault("update_bound", None)  # the oracle's numerics: DeepSpeed's, no bound
     return ZeroOneAdam(_groups(net, uncompressed), betas=BETAS, eps=EPS, bucket_size=bucket_size,
                        momentum_masks={net.w1: _mask(net)}, **SCHEDULE, **where, **kwargs)
 

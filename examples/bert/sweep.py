@@ -28,9 +28,9 @@ The runs:
   ``zo_ds_adam``: Adam with ``zo_ds``'s settings (no bias correction, betas (0.9, 0.98));
 * ``zo_*_bound``, ``demo_onebit_bound``, ``ds_onebit_bound``, ``lamb_onebit_bound``, ``lamb98_onebit_bound``:
   those with ``update_bound = 1`` (0/1 Adam: no coordinate steps further than Adam could; 1-bit Adam
-  and LAMB: ``m / d`` clamped to Adam's largest before the 1-bit all-reduce, their default since
-  2026-11-26); ``*_nobound``: 1-bit Adam and LAMB runs with ``update_bound = None`` (no clamp: the
-  rule before);
+  and LAMB: ``m / d`` clamped to Adam's largest before the 1-bit all-reduce; the default of all three
+  since 2026-11-26); ``*_nobound``: with ``update_bound = None`` (no clamp: the rule before; 0/1
+  Adam's ``zo_*_nobound`` are DeepSpeed's numerics);
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
@@ -84,8 +84,7 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
     for name in ("zo_demo", "zo_ds", "zo_ds16", "demo_onebit", "ds_onebit", "lamb_onebit", "lamb98_onebit"):
         params, adam, kind = runs[name]
         runs[f"{name}_bound"] = ({**params, "update_bound": 1.0}, adam, kind)
-        if kind != "ZeroOneAdam":
-            runs[f"{name}_nobound"] = ({**params, "update_bound": None}, adam, kind)
+        runs[f"{name}_nobound"] = ({**params, "update_bound": None}, adam, kind)
     for name, (params, adam, kind) in list(runs.items()):
         if name != adam:  # a 1-bit run
             runs[f"{name}_bf16"] = ({**params, "reduce_dtype": "bfloat16"}, adam, kind)
