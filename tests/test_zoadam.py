@@ -892,16 +892,20 @@ def test_bias_correction_in_phase_one_is_adam_s():
 # ----------------------------------------------------------------------------- update_bound (issue 27)
 
 
+_DEFAULT = object()
+
+
 def _bounded_run(update_bound, steps: int = 24, rare: float = 1e-4, bias_correction: bool = False):
     """One rank: a tensor of 400 coordinates, 8 of them rare (gradients ``rare`` times the others',
     so a tiny variance), through phase 1 (variance steps 1, 2, 4, ...: ``var_update_scaler`` 1) and
     phase 2. Returns each step's plan, the parameters before and after it, and the sync point
-    before it (None in phase 1)."""
+    before it (None in phase 1). ``_DEFAULT``: no ``update_bound`` given."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(400))
+    bound = {} if update_bound is _DEFAULT else {"update_bound": update_bound}
     opt = ZeroOneAdam([p], lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01, var_freeze_step=12, var_update_scaler=1,
                       local_step_scaler=4, local_step_clipper=4, comm_backend_name="local",
-                      bias_correction=bias_correction, update_bound=update_bound)
+                      bias_correction=bias_correction, **bound)
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
@@ -954,6 +958,14 @@ def test_update_bound_keeps_a_sync_within_what_its_local_steps_could_move():
         largest[bound] = worst
     assert largest[1.0] <= 0, largest
     assert largest[None] > 100, largest
+
+
+def test_the_default_bound_is_adams_largest_step():
+    """Without ``update_bound`` every step is bounded by 1 (the same bits as ``update_bound=1``), not
+    DeepSpeed's unbounded numerics (``None``)."""
+    default, one, unbounded = _bounded_run(_DEFAULT, steps=40), _bounded_run(1.0, steps=40), _bounded_run(None, steps=40)
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(default, one))
+    assert not all(torch.equal(a[2], b[2]) for a, b in zip(default, unbounded))
 
 
 def test_a_large_update_bound_changes_nothing_but_rounding():
