@@ -101,8 +101,9 @@ class ZeroOneAdam(OnebitOptimizer):
             variance otherwise moves it by thousands of ``lr``. A sync then moves a coordinate by
             at most what its local steps could: ``sum(lr) (c B + weight_decay |theta|)``. Not
             saved in state dicts. Measured on BERT in ``examples/bert/README.md`` (three seeds):
-            without it 5 of 6 runs with DeepSpeed-like schedules diverged, with it none did; the
-            shipped configuration ends 0.46% behind Adam on average without, 0.58% with it.
+            without it 4 of 6 runs with DeepSpeed-like schedules diverged and a fifth ended 23%
+            behind Adam, with it none diverged; the shipped configuration ends 0.46% behind Adam
+            on average without, 0.58% with it.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
