@@ -136,10 +136,8 @@ def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBa
     functions below; not staged.)"""
     scaled = {}
     if multiplier is not None:
-        if _fuses(kernels, state) and bound is None:
-            scaled = {"multiplier": multiplier}
-        elif _fuses(kernels, state) and kernels.limits:
-            scaled = {"multiplier": multiplier, "limit": bound}
+        if _fuses(kernels, state) and (bound is None or kernels.limits):
+            scaled = {"multiplier": multiplier} if bound is None else {"multiplier": multiplier, "limit": bound}
         else:  # a pass of its own, into a buffer the state keeps
             if state.scaled_input is None or state.scaled_input.shape != buffer.shape:
                 state.scaled_input = torch.empty_like(buffer)
