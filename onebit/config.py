@@ -87,6 +87,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                   "null (flat), \"host\" or an integer (ranks per node)"),
     "hierarchy_variant": (lambda v: isinstance(v, str), "a string: \"compressed\" or \"node_mean\""),
     "compression_space": (lambda v: isinstance(v, str), "a string: \"momentum\" or \"preconditioned\""),
+    "trust_ratio": (lambda v: isinstance(v, str), "a string: \"live\" or \"frozen\""),
     "update_bound": (lambda v: v is None or v == "auto" or _real(v),
                      "\"auto\", a number (1: Adam's own largest step) or null"),
     **{key: (_real, "a number")

@@ -1,7 +1,8 @@
-"""OnebitLamb: LAMB with a full-precision warmup, then frozen trust ratios and 1-bit momentum averaging."""
+"""OnebitLamb: LAMB with a full-precision warmup, then the variance frozen and the momentum averaged in 1 bit."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -11,9 +12,14 @@ from . import functional as F
 from .buckets import Bucket
 from .shards import reduce_over_shards_
 from .frozen import FrozenVarianceOptimizer
-from .validation import DEEPSPEED_COMMON_REFUSED, check_number
+from .validation import DEEPSPEED_COMMON_REFUSED, check_choice, check_number
 
-__all__ = ["OnebitLamb"]
+__all__ = ["OnebitLamb", "TRUST_RATIOS"]
+
+logger = logging.getLogger(__name__)
+
+# How 1-bit LAMB scales each tensor's step once compressing (see OnebitLamb)
+TRUST_RATIOS = ("live", "frozen")
 
 
 class OnebitLamb(FrozenVarianceOptimizer):
@@ -21,24 +27,34 @@ class OnebitLamb(FrozenVarianceOptimizer):
 
     **Warmup** (steps ``1..freeze_step``): gradients are averaged in full precision and each
     tensor takes a LAMB step without bias correction, ``u = m / (sqrt(v) + eps) + wd p``,
-    ``p -= lr c u`` with the trust ratio ``c = clamp(||p|| / ||u||, min_coeff, max_coeff)``; the
-    ratios are averaged, ``c_frozen = coeff_beta c_frozen + (1 - coeff_beta) c`` (from 0, as in
-    DeepSpeed: keep ``1 / (1 - coeff_beta)`` well below ``freeze_step``). At step
-    ``freeze_step`` the variance is copied into ``exp_avg_sq_fresh``.
+    ``p -= lr c u`` with the trust ratio ``c = clamp(||p|| / ||u||, min_coeff, max_coeff)``.
 
     **Compression**: the variance ``v`` is frozen; each rank updates its momentum with its local
     gradient and the momenta are averaged with the error-compensated 1-bit all-reduce (per-tensor
-    scales). From the averaged momentum the gradient is reconstructed,
+    scales). Each tensor then steps as in warmup, from the averaged momentum and the frozen
+    variance: ``u = m / (sqrt(v) + eps) + wd p``, ``p -= lr c u`` with the trust ratio ``c =
+    clamp(||p|| / ||u||, min_coeff, max_coeff)`` of this step (``trust_ratio="live"``, the
+    default): every rank holds the same ``m`` and ``p`` after the average, so ``c`` costs no
+    communication, and each tensor moves ``lr ||p||`` as in LAMB however far the 1-bit average
+    is from the exact one in size.
+
+    ``trust_ratio="frozen"`` is DeepSpeed's rule instead: the warmup ratios are averaged,
+    ``c_frozen = coeff_beta c_frozen + (1 - coeff_beta) c`` (from 0, as in DeepSpeed: keep ``1 /
+    (1 - coeff_beta)`` well below ``freeze_step``), and at step ``freeze_step`` the variance is
+    copied into ``exp_avg_sq_fresh``. From the averaged momentum the gradient is reconstructed,
     ``g = (m - beta1 m_prev) / (1 - beta1)``, and feeds the fresh variance ``v_fresh``. Each tensor
     steps by ``p -= lr c_frozen f u`` with ``f`` the largest ``(sqrt(v) + eps) / (sqrt(v_fresh) +
     eps)`` over its coordinates, pulled towards 1 by weight decay, clamped to ``[factor_min,
     factor_max]`` and to within ``factor_threshold`` of the previous step's ``f`` (which starts
-    at 1). ``min_coeff``/``max_coeff`` apply to warmup only. ``f`` is a maximum over every
-    coordinate, so a fast-moving fresh variance drives it up by ``factor_threshold`` a step: on the
-    BERT example ``betas=(0.9, 0.98)`` made 1-bit LAMB diverge (the word embedding's ``f`` reached
-    3.2 within 60 compression steps) where ``(0.9, 0.999)`` trained; watch ``last_factor``.
+    at 1). ``min_coeff``/``max_coeff`` apply to warmup only. On the BERT example this rule left
+    1-bit LAMB on the loss plateau at 2 seeds of 3, with betas (0.9, 0.999) as with (0.9, 0.98)
+    (1.067-1.094x LAMB's loss), and it did so with exact averages too: the ratio frozen at
+    ``freeze_step`` is the cause, not the 1 bit (``examples/bert/README.md``); ``f`` is a maximum
+    over every coordinate, so a fast-moving fresh variance drives it up by ``factor_threshold`` a
+    step (watch ``last_factor``).
 
-    These are DeepSpeed 0.19.6's numerics. What differs, on purpose:
+    With ``trust_ratio="frozen"`` (and ``compression_space="momentum"``, ``update_bound=None``)
+    these are DeepSpeed 0.19.6's numerics. What differs, on purpose:
 
     * no hidden first step: every ``step()`` uses its gradient;
     * a tensor whose norm (or update's) is 0, e.g. a zero-initialised bias, gets the trust ratio
@@ -71,10 +87,15 @@ class OnebitLamb(FrozenVarianceOptimizer):
             ``"auto"`` (and ``freeze_bounds``): as for :class:`onebit.OnebitAdam`.
         max_coeff: upper bound of the warmup trust ratio.
         min_coeff: lower bound of the warmup trust ratio.
-        coeff_beta: the averaging factor of the warmup trust ratios.
-        factor_max: upper bound of ``f``.
-        factor_min: lower bound of ``f``.
-        factor_threshold: the largest relative change of ``f`` per step.
+        coeff_beta: the averaging factor of the warmup trust ratios (``trust_ratio="frozen"``
+            only; default 0.9).
+        factor_max: upper bound of ``f`` (``"frozen"`` only; default 4.0).
+        factor_min: lower bound of ``f`` (``"frozen"`` only; default 0.5).
+        factor_threshold: the largest relative change of ``f`` per step (``"frozen"`` only;
+            default 0.1). With ``trust_ratio="live"`` these four are refused if given.
+        trust_ratio: ``"live"`` (default): each compression step's own ratio, as in warmup; or
+            ``"frozen"``: DeepSpeed's averaged warmup ratio times ``f``. A checkpoint's rule wins
+            over the constructor's (one without it was saved under ``"frozen"``).
         compression_space: ``"preconditioned"`` (default) or ``"momentum"`` (DeepSpeed's
             numerics): as for :class:`onebit.OnebitAdam`.
         update_bound: ``"auto"`` (default), ``None`` or ``c > 0``: as for :class:`onebit.OnebitAdam`.
@@ -85,7 +106,13 @@ class OnebitLamb(FrozenVarianceOptimizer):
 
     _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq", "exp_avg_sq_fresh")
+    # trust_ratio="frozen"'s: the fresh variance, from step freeze_step on (never with "live": 4 bytes
+    # per parameter less), and the scalars (with "live" they stay 0 and 1)
+    _LAZY: ClassVar[tuple[str, ...]] = ("exp_avg_sq_fresh",)
     _SCALARS: ClassVar[dict[str, float]] = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0}
+    # trust_ratio="frozen"'s arguments and their defaults (DeepSpeed's)
+    FROZEN_DEFAULTS: ClassVar[dict[str, float]] = {"coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5,
+                                                   "factor_threshold": 0.1}
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff")
     CONFIG_TYPE: ClassVar[str] = "OneBitLamb"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = {
@@ -103,24 +130,36 @@ class OnebitLamb(FrozenVarianceOptimizer):
         weight_decay: float = 0.0,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
-        coeff_beta: float = 0.9,
-        factor_max: float = 4.0,
-        factor_min: float = 0.5,
-        factor_threshold: float = 0.1,
+        coeff_beta: float | None = None,
+        factor_max: float | None = None,
+        factor_min: float | None = None,
+        factor_threshold: float | None = None,
         *,
+        trust_ratio: str = "live",
         compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
         update_bound: float | str | None = "auto",
         **options: Any,
     ) -> None:
-        check_number("coeff_beta", coeff_beta, high=1.0, high_open=True)
-        check_number("factor_min", factor_min)
-        check_number("factor_max", factor_max)
-        if factor_min > factor_max:
-            raise ValueError(f"factor_min ({factor_min}) must not exceed factor_max ({factor_max})")
-        check_number("factor_threshold", factor_threshold)
-        self.coeff_beta, self.factor_max, self.factor_min = coeff_beta, factor_max, factor_min
-        self.factor_threshold = factor_threshold
+        check_choice("trust_ratio", trust_ratio, TRUST_RATIOS)
+        given = {"coeff_beta": coeff_beta, "factor_max": factor_max, "factor_min": factor_min,
+                 "factor_threshold": factor_threshold}
+        given = {key: value for key, value in given.items() if value is not None}
+        if trust_ratio == "live" and given:
+            listed = ", ".join(f"{key}={value!r}" for key, value in given.items())
+            raise ValueError(f"{listed}: read only by trust_ratio='frozen' (DeepSpeed's rule: the warmup ratios "
+                             "averaged, times a factor from the fresh variance); the default trust_ratio='live' takes "
+                             "each step's own ratio. Remove them, or pass trust_ratio='frozen'")
+        hp = {**self.FROZEN_DEFAULTS, **given}  # (also what a checkpoint's "frozen" runs with)
+        check_number("coeff_beta", hp["coeff_beta"], high=1.0, high_open=True)
+        check_number("factor_min", hp["factor_min"])
+        check_number("factor_max", hp["factor_max"])
+        if hp["factor_min"] > hp["factor_max"]:
+            raise ValueError(f"factor_min ({hp['factor_min']}) must not exceed factor_max ({hp['factor_max']})")
+        check_number("factor_threshold", hp["factor_threshold"])
+        self.coeff_beta, self.factor_max, self.factor_min = hp["coeff_beta"], hp["factor_max"], hp["factor_min"]
+        self.factor_threshold = hp["factor_threshold"]
+        self.trust_ratio = trust_ratio
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound, **options)
@@ -143,30 +182,54 @@ class OnebitLamb(FrozenVarianceOptimizer):
         F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
         if bucket.mask is not None:
             m.mul_(bucket.mask)
-        if t == self.freeze_step:
+        if t == self.freeze_step and self.trust_ratio == "frozen":
             bucket.buffers["exp_avg_sq_fresh"].copy_(v)
         updates = bucket.view(F.adam_direction_(bucket.scratch("update"), m, v, group["eps"]))
         if group["weight_decay"] != 0:
             torch._foreach_add_(updates, self._float(bucket.params), alpha=group["weight_decay"])
         coeff = F.lamb_trust_ratio(self._norms(bucket, bucket.params), self._norms(bucket, updates), group["min_coeff"],
                                    group["max_coeff"])
-        if self._in_warmup(t):
+        if self._in_warmup(t) and self.trust_ratio == "frozen":
             frozen = bucket.scalars["lamb_coeff_freeze"]
             frozen.mul_(self.coeff_beta).add_(coeff, alpha=1 - self.coeff_beta)
         self._apply(bucket, updates, coeff, group["lr"])
 
+    def _schedule_step(self, t: int) -> None:
+        super()._schedule_step(t)
+        if t == self.freeze_step and self.trust_ratio == "frozen":
+            # (before the step, so that a tensor without a gradient keeps its zeros, as its other state)
+            for bucket in self._buckets:
+                self._allocate(bucket, "exp_avg_sq_fresh")
+
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
-        bucket.scratch("prev").copy_(bucket.buffers["exp_avg"])
+        if self.trust_ratio == "frozen":
+            bucket.scratch("prev").copy_(bucket.buffers["exp_avg"])
         return super()._compress_input(bucket, grads, group, t)
 
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         super()._on_compression(buckets, keeps, t, dead)
-        for bucket, keep in zip(buckets, keeps):  # 1 where the momentum is live: where f is measured
-            bucket.scratch("live").copy_(keep)
+        if self.trust_ratio == "frozen":
+            for bucket, keep in zip(buckets, keeps):  # 1 where the momentum is live: where f is measured
+                bucket.scratch("live").copy_(keep)
 
     def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
-        """After the 1-bit average of the momentum: the fresh variance from the reconstructed
-        gradient, the factor, and ``p -= lr c_frozen f (m / d + wd p)``."""
+        """After the 1-bit average of the momentum: ``p -= lr c (m / d + wd p)``, ``c`` this step's
+        trust ratio (``"live"``) or the frozen one times the factor ``f`` (``"frozen"``)."""
+        if self.trust_ratio == "frozen":
+            self._update_frozen(bucket, group, t)
+            return
+        self._frozen_denominator(bucket, group["eps"])
+        updates = bucket.view(torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator,
+                                        out=bucket.scratch("update")))
+        if group["weight_decay"] != 0:
+            torch._foreach_add_(updates, self._float(bucket.params), alpha=group["weight_decay"])
+        coeff = F.lamb_trust_ratio(self._norms(bucket, bucket.params), self._norms(bucket, updates), group["min_coeff"],
+                                   group["max_coeff"])
+        self._apply(bucket, updates, coeff, group["lr"])
+
+    def _update_frozen(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """DeepSpeed's rule: the fresh variance from the reconstructed gradient, the factor, and
+        ``p -= lr c_frozen f (m / d + wd p)``."""
         beta1, beta2 = group["betas"]
         eps, weight_decay = group["eps"], group["weight_decay"]
         m = bucket.buffers["exp_avg"]
@@ -196,9 +259,27 @@ class OnebitLamb(FrozenVarianceOptimizer):
                           "far below the frozen one and the run may be diverging: raise beta2 (e.g. 0.999), "
                           "lower factor_max or the learning rate", self._backend.rank)
 
+    def _schedule_state(self) -> dict[str, Any]:
+        return {**super()._schedule_state(), "trust_ratio": self.trust_ratio}
+
+    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        # (a checkpoint without trust_ratio was saved under "frozen", the only rule before 2026-11-26)
+        rule = meta.get("trust_ratio", "frozen")
+        check_choice("in the checkpoint", rule, TRUST_RATIOS, prefix="trust_ratio")
+        return {**super()._check_schedule(meta), "trust_ratio": rule}
+
+    def _apply_schedule(self, schedule: dict[str, Any]) -> None:
+        super()._apply_schedule(schedule)
+        # The checkpoint's rule wins: its scalars (c_frozen, f) and fresh variance are that rule's.
+        if schedule["trust_ratio"] != self.trust_ratio:
+            logger.info("onebit: trust_ratio %r restored from the checkpoint (was %r)", schedule["trust_ratio"],
+                        self.trust_ratio)
+        self.trust_ratio = schedule["trust_ratio"]
+
     def comm_stats(self) -> dict[str, Any]:
         """:meth:`OnebitOptimizer.comm_stats`, plus ``max_factor``: the largest per-tensor factor
-        ``f`` of the last compression step (1.0 before), the first sign of a diverging run."""
+        ``f`` of the last compression step (1.0 before, and always with ``trust_ratio="live"``),
+        the first sign of a diverging run under ``"frozen"``."""
         stats = super().comm_stats()
         factors = [float(b.scalars["last_factor"].max()) for b in self._buckets if len(b.params)]
         stats["max_factor"] = max(factors, default=1.0)

@@ -272,10 +272,25 @@ LAMB_DOCS = {"optimizer": {"type": "OneBitLamb", "params": {
 def test_onebitlamb_type_is_case_insensitive_and_builds_onebitlamb(kind):
     config = copy.deepcopy(LAMB_DOCS)
     config["optimizer"]["type"] = kind
+    config["optimizer"]["params"]["trust_ratio"] = "frozen"
     opt = from_config(_params(), config)
     assert type(opt) is OnebitLamb
     assert opt.freeze_step == 1000 and opt.coeff_beta == 0.9 and opt.factor_threshold == 0.1
+    assert opt.trust_ratio == "frozen"
     assert opt.param_groups[0]["max_coeff"] == 0.3 and opt.param_groups[0]["lr"] == 11e-3
+
+
+def test_deepspeed_s_lamb_config_asks_for_its_rule():
+    """DeepSpeed's docs config sets the frozen rule's factors: under the default trust_ratio='live'
+    they would be read by nothing, so the error names them and both ways out."""
+    with pytest.raises(ValueError, match=r"coeff_beta=0\.9, factor_max=4\.0, factor_min=0\.5, factor_threshold=0\.1: "
+                       r"read only by trust_ratio='frozen' .*Remove them, or pass trust_ratio='frozen'"):
+        from_config(_params(), LAMB_DOCS)
+    config = copy.deepcopy(LAMB_DOCS)
+    for key in ("coeff_beta", "factor_max", "factor_min", "factor_threshold"):
+        del config["optimizer"]["params"][key]
+    opt = from_config(_params(), config)
+    assert opt.trust_ratio == "live" and opt.param_groups[0]["max_coeff"] == 0.3
 
 
 @pytest.mark.parametrize("key", ["bias_correction", "max_grad_norm", "eps_inside_sqrt", "amsgrad"])

@@ -53,7 +53,7 @@ def _train_rank(rank: int, world_size: int, case: str) -> dict:
     model = load_model(MODELS[case], run)
     opt = onebit.OnebitLamb(model.parameters(), lr=HYPER["lr"], freeze_step=HYPER["freeze_step"],
                             betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
-                            comm_backend_name="gloo", compression_space="momentum",
+                            comm_backend_name="gloo", compression_space="momentum", trust_ratio="frozen",
                             **{k: HYPER[k] for k in LAMB_ARGUMENTS})
     snapshots = []
     for t in range(1, HYPER["steps"] + 1):

@@ -18,7 +18,11 @@ from onebit.testing import simulate_compressed_allreduce
 
 LR, WD, BETAS, EPS = 2e-2, 0.01, (0.9, 0.999), 1e-8
 FREEZE, STEPS = 3, 10
-LAMB = dict(max_coeff=10.0, min_coeff=0.01, coeff_beta=0.5, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
+# (trust_ratio="frozen": DeepSpeed's rule, which the oracle below follows unless told "live")
+LAMB = dict(max_coeff=10.0, min_coeff=0.01, coeff_beta=0.5, factor_max=4.0, factor_min=0.5, factor_threshold=0.1,
+            trust_ratio="frozen")
+# (the frozen rule's arguments, left out for trust_ratio="live", which refuses them)
+NO_FACTOR = {key: None for key in ("coeff_beta", "factor_max", "factor_min", "factor_threshold")}
 MASKED_ROWS = slice(6, 8)  # rows 6, 7 of the first weight: momentum kept at exactly 0
 DEAD_COLUMN = 5  # input feature 5 is 0 during warmup: column 5 of the first weight has v == 0
 
@@ -95,6 +99,13 @@ def lamb_factor(max_ratio: float, prelim: float | None, update: float | None, la
     return min(max(f, last * (1 - hp["factor_threshold"])), last * (1 + hp["factor_threshold"]))
 
 
+def trust_ratio(p: torch.Tensor, u: torch.Tensor, hp: dict) -> float:
+    """``clamp(||p|| / ||u||, min_coeff, max_coeff)``, 1 (clamped) where a norm is 0."""
+    pn, un = _norm(p), _norm(u)
+    c = pn / un if pn > 0 and un > 0 else 1.0
+    return min(max(c, hp["min_coeff"]), hp["max_coeff"])
+
+
 def max_ratio(v: torch.Tensor, fresh: torch.Tensor, live: torch.Tensor, eps: float) -> float:
     """``max (sqrt(v) + eps) / (sqrt(v_fresh) + eps)`` over the ``live`` coordinates (0 if none)."""
     ratio = (v.sqrt() + eps) / (fresh.sqrt() + eps)
@@ -102,10 +113,12 @@ def max_ratio(v: torch.Tensor, fresh: torch.Tensor, live: torch.Tensor, eps: flo
 
 
 def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None, lr: float = LR, wd: float = WD,
-           betas=BETAS, eps: float = EPS):
-    """1-bit LAMB for ``n`` simulated ranks, per tensor, from OnebitLamb's docstring. Returns the
-    parameters after every step and the final state."""
+           betas=BETAS, eps: float = EPS, rule: str = "frozen"):
+    """1-bit LAMB for ``n`` simulated ranks, per tensor, from OnebitLamb's docstring, with the trust
+    ratio ``rule`` ``"frozen"`` or ``"live"``. Returns the parameters after every step and the final
+    state."""
     hp = {**LAMB, **(hp or {})}
+    frozen = rule == "frozen"
     b1, b2 = betas
     with one_thread():
         net = Net()
@@ -135,13 +148,12 @@ def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None
                         s["v"] = torch.addcmul(s["v"] * b2, g, g, value=1 - b2)
                         if masks[i] is not None:
                             s["m"] = s["m"] * masks[i]
-                        if t == freeze_step:
+                        if t == freeze_step and frozen:
                             s["fresh"] = s["v"].clone()
                         u = torch.add(s["m"] / (s["v"].sqrt() + eps), p, alpha=wd)
-                        pn, un = _norm(p), _norm(u)
-                        c = pn / un if pn > 0 and un > 0 else 1.0
-                        c = min(max(c, hp["min_coeff"]), hp["max_coeff"])
-                        s["coeff"] = hp["coeff_beta"] * s["coeff"] + (1 - hp["coeff_beta"]) * c
+                        c = trust_ratio(p, u, hp)
+                        if frozen:
+                            s["coeff"] = hp["coeff_beta"] * s["coeff"] + (1 - hp["coeff_beta"]) * c
                         p.sub_(u * (lr * c))
                 else:
                     prev = [s["m"] for s in st]
@@ -158,6 +170,10 @@ def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None
                             keep &= masks[i]
                         m = torch.where(keep, sim.output.view_as(p), 0.0)
                         s["m"] = m
+                        if not frozen:  # this step's ratio, from the averaged momentum
+                            u = torch.add(m / (s["v"].sqrt() + eps), p, alpha=wd)
+                            p.sub_(u * (lr * trust_ratio(p, u, hp)))
+                            continue
                         g_rec = (m - b1 * prev[i]) / (1 - b1)
                         s["fresh"] = torch.addcmul(s["fresh"] * b2, g_rec, g_rec, value=1 - b2)
                         d = s["v"].sqrt() + eps
@@ -178,11 +194,11 @@ def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 # ----------------------------------------------------------------------------- 1. against the oracle
 
 
-def _train_rank(rank, world_size, backend, steps, save_at=None, path=None):
-    """Train ``Net`` for ``steps`` steps; with ``save_at``, also save an exact-resume checkpoint to
-    ``path`` after that step (which must not change the run)."""
+def _train_rank(rank, world_size, backend, steps, save_at=None, path=None, **kwargs):
+    """Train ``Net`` for ``steps`` steps (``kwargs`` to the optimizer); with ``save_at``, also save an
+    exact-resume checkpoint to ``path`` after that step (which must not change the run)."""
     net = Net()
-    opt = _optimizer(net, backend)
+    opt = _optimizer(net, backend, **kwargs)
     snapshots, phases, grads_untouched = [], [], []
     for t in range(1, steps + 1):
         _set_grads(net, rank, t)
@@ -198,12 +214,12 @@ def _train_rank(rank, world_size, backend, steps, save_at=None, path=None):
     return {"snapshots": snapshots, "state": state, "phases": phases, "grads_untouched": grads_untouched}
 
 
-def _check_against_oracle(results, n):
+def _check_against_oracle(results, n, rule="frozen"):
     """Every rank equals the oracle bit for bit: parameters at every step and the final state. (The
     oracle spells ``u + wd p`` as ``torch.add(u, p, alpha=wd)`` and ``b2 v + (1 - b2) g^2`` as
     ``addcmul``, the fused forms the optimizer uses: written naively they round differently, by
     up to 3e-8 of max |p| over these 10 steps.)"""
-    expected, final = oracle(n, STEPS)
+    expected, final = oracle(n, STEPS, rule=rule)
     for t in range(STEPS):
         for rank in range(n):  # bit-identical on every rank, with no broadcast
             assert all_equal(results[rank]["snapshots"][t], results[0]["snapshots"][t]), (rank, t + 1)
@@ -213,8 +229,12 @@ def _check_against_oracle(results, n):
     for state, ref in zip(results[0]["state"], final):
         assert state["lamb_coeff_freeze"].item() == ref["coeff"]
         assert state["last_factor"].item() == ref["last"]
-        for name, key in (("exp_avg", "m"), ("exp_avg_sq", "v"), ("exp_avg_sq_fresh", "fresh")):
+        for name, key in (("exp_avg", "m"), ("exp_avg_sq", "v")):
             assert torch.equal(state[name], ref[key]), name
+        if rule == "frozen":
+            assert torch.equal(state["exp_avg_sq_fresh"], ref["fresh"])
+        else:  # the fresh variance is the frozen rule's: never allocated
+            assert "exp_avg_sq_fresh" not in state
     # What the oracle comparison implies, spelled out:
     assert all(all(r["grads_untouched"]) for r in results)  # step() never writes p.grad
     assert all(torch.isfinite(p).all() for snapshot in results[0]["snapshots"] for p in snapshot)
@@ -223,8 +243,8 @@ def _check_against_oracle(results, n):
     w = results[0]["state"][INDEX["body.0.weight"]]
     assert torch.all(w["exp_avg"][MASKED_ROWS] == 0)
     assert torch.all(w["exp_avg"][:, DEAD_COLUMN] == 0) and torch.all(w["exp_avg_sq"][:, DEAD_COLUMN] == 0)
-    # The zero-initialised bias moved in warmup and in compression, and its ratio entered the average.
-    assert results[0]["state"][INDEX["body.2.bias"]]["lamb_coeff_freeze"].item() > 0
+    # The zero-initialised bias moved in warmup and in compression, and (frozen) its ratio entered the average.
+    assert (results[0]["state"][INDEX["body.2.bias"]]["lamb_coeff_freeze"].item() > 0) == (rule == "frozen")
     biases = [s[INDEX["body.2.bias"]] for s in results[0]["snapshots"]]
     assert all(not torch.equal(a, b) for a, b in zip(biases, biases[1:]))
     return expected
@@ -261,6 +281,7 @@ def _ddp_run(rank: int, use_ddp: bool) -> dict:
 
 def _two_rank_session(rank, world_size, path):
     return {"train": _train_rank(rank, world_size, "gloo", STEPS, SAVE_AT, path),
+            "live": _train_rank(rank, world_size, "gloo", STEPS, trust_ratio="live", **NO_FACTOR),
             "plain": _ddp_run(rank, False), "ddp": _ddp_run(rank, True)}
 
 
@@ -277,6 +298,11 @@ def test_two_gloo_ranks_match_the_oracle(two_ranks):
 
 
 @pytest.mark.slow
+def test_two_gloo_ranks_match_the_oracle_with_the_live_ratio(two_ranks):
+    _check_against_oracle([r["live"] for r in two_ranks[1]], 2, rule="live")
+
+
+@pytest.mark.slow
 def test_three_gloo_ranks_match_the_oracle(tmp_path):
     _check_against_oracle(run_ranks(_train_rank, 3, tmp_path, "gloo", STEPS), 3)
 
@@ -285,13 +311,21 @@ def test_local_backend_matches_the_oracle_for_one_rank():
     _check_against_oracle([_train_rank(0, 1, "local", STEPS)], 1)
 
 
+def test_local_backend_matches_the_oracle_with_the_live_ratio():
+    _check_against_oracle([_train_rank(0, 1, "local", STEPS, trust_ratio="live", **NO_FACTOR)], 1, rule="live")
+
+
 def test_the_oracle_can_fail():
-    """The comparison sees a switch to compression one step late, and a factor fixed at 1."""
+    """The comparison sees a switch to compression one step late, a factor fixed at 1, and the
+    other trust ratio rule."""
     run = _train_rank(0, 1, "local", STEPS)["snapshots"][-1]
     late, _ = oracle(1, STEPS, freeze_step=FREEZE + 1)
     assert _relative(run, late[-1]) > 1e-4
     no_factor, _ = oracle(1, STEPS, hp={"factor_min": 1.0, "factor_max": 1.0})
     assert _relative(run, no_factor[-1]) > 1e-4
+    live_run = _train_rank(0, 1, "local", STEPS, trust_ratio="live", **NO_FACTOR)["snapshots"][-1]
+    assert _relative(live_run, oracle(1, STEPS)[0][-1]) > 1e-4
+    assert _relative(run, oracle(1, STEPS, rule="live")[0][-1]) > 1e-4
 
 
 # ----------------------------------------------------------------------------- 2. DeepSpeed's defects, fixed
@@ -328,7 +362,7 @@ def test_zero_initialised_bias_gets_the_clamped_ratio_and_keeps_moving():
     lin = _linear()
     lr, b1, b2 = 0.1, 0.9, 0.999
     opt = OnebitLamb(lin.parameters(), lr=lr, freeze_step=1, max_coeff=0.3, coeff_beta=0.9, weight_decay=WD,
-                     comm_backend_name="local")
+                     comm_backend_name="local", trust_ratio="frozen")
     _random_grads(lin.parameters(), 1)
     g = lin.bias.grad.clone()
     opt.step()
@@ -349,7 +383,8 @@ def test_zero_initialised_bias_gets_the_clamped_ratio_and_keeps_moving():
 def test_freeze_step_1_copies_the_variance_and_the_factor_starts_near_1():
     lin = _linear()
     params = list(lin.parameters())
-    opt = OnebitLamb(params, lr=0.01, freeze_step=1, comm_backend_name="local", compression_space="momentum")
+    opt = OnebitLamb(params, lr=0.01, freeze_step=1, comm_backend_name="local", compression_space="momentum",
+                     trust_ratio="frozen")
     _random_grads(params, 1)
     opt.step()
     for p in params:
@@ -383,7 +418,7 @@ def test_masked_row_does_not_pin_the_factor():
     mask[3] = 0
     hp = dict(factor_min=0.5, factor_max=4.0, factor_threshold=10.0)
     opt = OnebitLamb([w], lr=0.01, freeze_step=2, betas=(0.9, 0.5), comm_backend_name="local",
-                     momentum_masks={w: mask}, **hp)
+                     momentum_masks={w: mask}, trust_ratio="frozen", **hp)
     g0 = torch.randn(4, 6)
     with_masked = None
     for t in range(1, 7):
@@ -425,7 +460,7 @@ def test_deepspeed_keys_it_ignored_are_refused(key):
 def test_invalid_arguments_are_refused_naming_the_value(kwargs, message):
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match=message):
-        OnebitLamb(params, comm_backend_name="local", **kwargs)
+        OnebitLamb(params, comm_backend_name="local", trust_ratio="frozen", **kwargs)
 
 
 def test_invalid_coefficient_bounds_in_a_param_group_are_refused():
@@ -455,8 +490,11 @@ def test_state_dict_round_trip(steps, phase):
     opt2.load_state_dict(sd)
     assert opt2.step_count == steps and opt2.freeze_step == FREEZE and opt2.phase == opt.phase == phase
     for p, p2 in zip(net.parameters(), net2.parameters()):
+        # (the fresh variance exists from step freeze_step on)
+        assert ("exp_avg_sq_fresh" in opt2.state[p2]) == ("exp_avg_sq_fresh" in opt.state[p]) == (steps >= FREEZE)
         for name in BUFFERS:
-            assert torch.equal(opt.state[p][name], opt2.state[p2][name]), name
+            if name in opt.state[p]:
+                assert torch.equal(opt.state[p][name], opt2.state[p2][name]), name
         for name in SCALARS:
             assert opt.state[p][name].item() == opt2.state[p2][name].item(), name
     # Restoring the scalars is tested: the ratios are averaged, and the factors moved from 1 (but
@@ -472,6 +510,55 @@ def test_state_dict_round_trip(steps, phase):
             _set_grads(n_, 0, t)
             o_.step()
         assert all_equal(list(net.parameters()), list(net2.parameters())), t
+
+
+def test_the_checkpoint_s_trust_ratio_rule_wins(caplog):
+    """A checkpoint restores its rule (its scalars and fresh variance are that rule's) and says so;
+    one saved before the rule was (no ``trust_ratio``) is of the frozen rule, the only one then.
+    Restored, the run goes on bit for bit as the original."""
+    net = Net()
+    opt = _optimizer(net, "local", trust_ratio="live", **NO_FACTOR)
+    for t in range(1, 6):
+        _set_grads(net, 0, t)
+        opt.step()
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["onebit"]["trust_ratio"] == "live"
+    net2 = Net()
+    net2.load_state_dict(net.state_dict())
+    opt2 = _optimizer(net2, "local")
+    assert opt2.trust_ratio == "frozen"
+    with caplog.at_level(logging.INFO, logger="onebit"):
+        opt2.load_state_dict(saved)
+    assert opt2.trust_ratio == "live"
+    assert any("trust_ratio 'live' restored from the checkpoint (was 'frozen')" in r.message for r in caplog.records)
+    opt.reset_compression_errors()  # as the load reset opt2's
+    for t in range(6, 9):
+        for n_, o_ in ((net, opt), (net2, opt2)):
+            _set_grads(n_, 0, t)
+            o_.step()
+        assert all_equal(list(net.parameters()), list(net2.parameters())), t
+    older = {**saved, "param_groups": [{**g, "onebit": {k: v for k, v in g["onebit"].items() if k != "trust_ratio"}}
+                                       for g in saved["param_groups"]]}
+    net3 = Net()
+    default = OnebitLamb(net3.parameters(), lr=LR, freeze_step=FREEZE, comm_backend_name="local")
+    assert default.trust_ratio == "live"
+    default.load_state_dict(older)
+    assert default.trust_ratio == "frozen" and default.factor_max == 4.0 and default.coeff_beta == 0.9
+    bad = {**saved, "param_groups": [{**g, "onebit": {**g["onebit"], "trust_ratio": "sometimes"}}
+                                     for g in saved["param_groups"]]}
+    with pytest.raises(ValueError, match=r"trust_ratio in the checkpoint: 'sometimes'; expected one of 'live', 'frozen'"):
+        default.load_state_dict(bad)
+    assert default.trust_ratio == "frozen"  # a refused load changes nothing
+
+
+def test_the_live_rule_refuses_the_frozen_rule_s_arguments():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=r"factor_max=2\.0: read only by trust_ratio='frozen' .*pass trust_ratio='frozen'"):
+        OnebitLamb(params, comm_backend_name="local", factor_max=2.0)
+    with pytest.raises(ValueError, match=r"invalid trust_ratio: 'fixed'; expected one of 'live', 'frozen'"):
+        OnebitLamb(params, comm_backend_name="local", trust_ratio="fixed")
+    frozen = OnebitLamb(params, comm_backend_name="local", trust_ratio="frozen", factor_max=2.0)
+    assert (frozen.factor_max, frozen.factor_min, frozen.coeff_beta) == (2.0, 0.5, 0.9)
 
 
 def test_the_other_algorithm_s_state_dict_is_refused():
@@ -540,7 +627,7 @@ def test_a_factor_at_its_ceiling_is_reported_and_warned_about_once(caplog):
     # that lets the fresh variance follow them within a few steps.
     [p] = seeded_params(64)
     opt = OnebitLamb([p], lr=1e-3, freeze_step=2, betas=(0.9, 0.5), factor_max=1.5, factor_threshold=0.5,
-                     comm_backend_name="local")
+                     comm_backend_name="local", trust_ratio="frozen")
     assert opt.comm_stats()["max_factor"] == 1.0
     with caplog.at_level(logging.WARNING, logger="onebit"):
         for t in range(8):
@@ -550,7 +637,8 @@ def test_a_factor_at_its_ceiling_is_reported_and_warned_about_once(caplog):
     warnings = [r for r in caplog.records if "factor reached factor_max=1.5" in r.message]
     assert len(warnings) == 1
     raising = OnebitLamb([torch.nn.Parameter(torch.randn(64))], lr=1e-3, freeze_step=2, betas=(0.9, 0.5),
-                         factor_max=1.5, factor_threshold=0.5, comm_backend_name="local", divergence="raise")
+                         factor_max=1.5, factor_threshold=0.5, comm_backend_name="local", divergence="raise",
+                         trust_ratio="frozen")
     with pytest.raises(FloatingPointError, match="factor reached factor_max"):
         for t in range(8):
             for q in raising.param_groups[0]["params"]:

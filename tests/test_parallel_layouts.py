@@ -80,6 +80,13 @@ def _locals(model) -> list[torch.Tensor]:
     return [p.to_local().detach().clone() for p in model.parameters()]
 
 
+def _whole_norms(tensors: list[torch.Tensor], group) -> torch.Tensor:
+    """Each tensor's norm over its shards on ``group``."""
+    squares = torch.stack([t.double().square().sum() for t in tensors])
+    dist.all_reduce(squares, group=group)
+    return squares.sqrt()
+
+
 def _same_over(group, tensors: list[torch.Tensor]) -> bool:
     """Whether every rank of ``group`` holds exactly these tensors."""
     flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
@@ -180,21 +187,36 @@ def _hsdp(rank: int, world: int) -> dict:
         result["save_checkpoint"] = str(exc)
 
     # 1-bit LAMB: its trust ratios and factors read whole-tensor norms and maxima (reduced over the shards):
-    # its warmup equals unsharded 1-bit LAMB over all 4 ranks with the same data; replicas identical after
-    model = _shard_model(mesh["shard"])
-    lamb = OnebitLamb(model.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=WD, group=mesh["replicate"])
-    plain = _mlp()
-    plain_lamb = OnebitLamb(plain.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=WD)
-    for m, o in ((model, lamb), (plain, plain_lamb)):
-        _train(m, o, rank, range(1, FREEZE + 1))
-    shard = mesh["shard"].get_local_rank()
-    result["lamb_warmup_rel"] = max(float((a - b.detach().chunk(2)[shard]).norm() / b.norm())
-                                    for a, b in zip(_locals(model), plain.parameters()) if a.numel())
-    lamb_identical = []
-    _train(model, lamb, rank, range(FREEZE + 1, STEPS + 1),
-           after_step=lambda t: lamb_identical.append(_same_over(replicate, _locals(model))))
-    result["lamb_identical"] = lamb_identical
-    result["lamb_factor"] = lamb.comm_stats()["max_factor"]
+    # its warmup equals unsharded 1-bit LAMB over all 4 ranks with the same data; replicas identical after;
+    # with trust_ratio="live" each compression step moves each whole tensor by exactly lr ||p|| (LAMB's
+    # step, the ratio unclamped here); with "frozen" the factor is in its range
+    result["lamb"] = {}
+    for rule in ("live", "frozen"):
+        model = _shard_model(mesh["shard"])
+        lamb = OnebitLamb(model.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=WD, group=mesh["replicate"],
+                          trust_ratio=rule)
+        plain = _mlp()
+        plain_lamb = OnebitLamb(plain.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=WD, trust_ratio=rule)
+        for m, o in ((model, lamb), (plain, plain_lamb)):
+            _train(m, o, rank, range(1, FREEZE + 1))
+        shard = mesh["shard"].get_local_rank()
+        out = {"warmup_rel": max(float((a - b.detach().chunk(2)[shard]).norm() / b.detach().norm())
+                                 for a, b in zip(_locals(model), plain.parameters()) if a.numel()),
+               "identical": [], "step_to_lr_norm": [], "shard_step_to_lr_norm": []}
+        before = [_locals(model)]
+
+        def after(t, model=model, out=out, before=before):
+            now = _locals(model)
+            out["identical"].append(_same_over(replicate, now))
+            steps = _whole_norms([a - b for a, b in zip(now, before[0])], mesh["shard"].get_group())
+            out["step_to_lr_norm"].append((steps / (LR * _whole_norms(before[0], mesh["shard"].get_group()))).tolist())
+            out["shard_step_to_lr_norm"].append([float((a - b).norm() / (LR * b.norm()))
+                                                 for a, b in zip(now, before[0]) if b.numel()])
+            before[0] = now
+
+        _train(model, lamb, rank, range(FREEZE + 1, STEPS + 1), after_step=after)
+        out["factor"] = lamb.comm_stats()["max_factor"]
+        result["lamb"][rule] = out
 
     # group= takes a 1-D mesh only
     try:
@@ -227,9 +249,16 @@ def test_hsdp_recipe_warmup_equals_native_hsdp_and_replicas_stay_identical(tmp_p
         assert "torch.distributed.checkpoint" in r["save_checkpoint"]
         assert r["zoadam_identical"]
         assert r["mask_zero_where_masked"] and r["mask_free_elsewhere"]
-        assert r["lamb_warmup_rel"] < 1e-5, (rank, r["lamb_warmup_rel"])
-        assert all(r["lamb_identical"]) and len(r["lamb_identical"]) == STEPS - FREEZE
-        assert 0.5 < r["lamb_factor"] < 4.0
+        for rule, lamb in r["lamb"].items():
+            assert lamb["warmup_rel"] < 1e-5, (rank, rule, lamb["warmup_rel"])
+            assert all(lamb["identical"]) and len(lamb["identical"]) == STEPS - FREEZE, rule
+        live, frozen = r["lamb"]["live"], r["lamb"]["frozen"]
+        assert all(abs(x - 1) < 1e-4 for step in live["step_to_lr_norm"] for x in step), live["step_to_lr_norm"]
+        # ... from whole-tensor norms: with each shard's own, each shard would move lr ||p_shard||
+        assert max(abs(x - 1) for step in live["shard_step_to_lr_norm"] for x in step) > 1e-3
+        assert live["factor"] == 1.0 and 0.5 < frozen["factor"] < 4.0
+        # (the frozen rule's steps are not lr ||p||: what the live check tells apart)
+        assert max(abs(x - 1) for step in frozen["step_to_lr_norm"] for x in step) > 1e-2
         assert "2-D DeviceMesh ('replicate', 'shard')" in r["two_d_mesh"] and "group=mesh['replicate']" in r["two_d_mesh"]
         assert "other shards of the DTensor parameters" in r["mixed"] and "group=mesh['replicate']" in r["mixed"]
         assert r["state_shapes"] == r["local_shapes"]

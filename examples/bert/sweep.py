@@ -31,6 +31,10 @@ The runs:
   and LAMB: ``m / d`` clamped to Adam's largest before the 1-bit all-reduce; the default of all three
   since 2026-11-26); ``*_nobound``: with ``update_bound = None`` (no clamp: the rule before; 0/1
   Adam's ``zo_*_nobound`` are DeepSpeed's numerics);
+* ``lamb_onebit_live`` / ``lamb_onebit_frozen`` (and ``lamb98_``): 1-bit LAMB with ``trust_ratio``
+  ``"live"`` (each compression step's own trust ratio; the default since 2026-11-26) / ``"frozen"``
+  (DeepSpeed's rule: the warmup ratios averaged, times the factor ``f``, with DeepSpeed's
+  ``coeff_beta``, ``factor_*``);
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
@@ -55,6 +59,8 @@ from compare import launch  # noqa: E402
 DEEPSPEED_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.01, "comm_backend_name": "gloo"}
 DEMO = json.loads((HERE / "configs" / "onebit_gloo.json").read_text())["optimizer"]["params"]
 LAMB = json.loads((HERE / "configs" / "onebit_lamb_gloo.json").read_text())["optimizer"]["params"]
+# 1-bit LAMB's trust_ratio="frozen" (DeepSpeed's rule) with DeepSpeed's defaults, as its docs' config writes them
+FROZEN_RULE = {"coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1}
 ZOADAM = json.loads((HERE / "configs" / "zoadam_gloo.json").read_text())["optimizer"]["params"]
 
 
@@ -85,6 +91,10 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         params, adam, kind = runs[name]
         runs[f"{name}_bound"] = ({**params, "update_bound": 1.0}, adam, kind)
         runs[f"{name}_nobound"] = ({**params, "update_bound": None}, adam, kind)
+    for name in ("lamb_onebit", "lamb98_onebit"):
+        params, lamb, kind = runs[name]
+        runs[f"{name}_live"] = ({**params, "trust_ratio": "live"}, lamb, kind)
+        runs[f"{name}_frozen"] = ({**params, "trust_ratio": "frozen", **FROZEN_RULE}, lamb, kind)
     for name, (params, adam, kind) in list(runs.items()):
         if name != adam:  # a 1-bit run
             runs[f"{name}_bf16"] = ({**params, "reduce_dtype": "bfloat16"}, adam, kind)
