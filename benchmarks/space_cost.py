@@ -4,6 +4,7 @@
     python benchmarks/space_cost.py                         # 2 ranks, 25.2M params, 30 rounds
     python benchmarks/space_cost.py --optimizer lamb --rounds 10
     python benchmarks/space_cost.py --bound                 # and update_bound=None: results/space_cost_bound.*
+    python benchmarks/space_cost.py --optimizer lamb --trust-ratio   # and LAMB's trust_ratio="frozen"
 
 Each rank builds one model per configuration (the model of ``peers.py``, same initial values) and
 runs their compression steps interleaved: every round runs one step of each configuration, in a
@@ -46,6 +47,9 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
         out.append(("preconditioned, multiplies unfused", {"compression_space": "preconditioned", "kernels": "cpu-unfused"}))
     if args.bound:  # without the clamp of m / d (the default before 2026-11-26)
         out.append(("preconditioned, update_bound=None", {"compression_space": "preconditioned", "update_bound": None}))
+    if args.trust_ratio:  # 1-bit LAMB's frozen rule (the default before 2026-11-26) beside the live one
+        out.append(("preconditioned, trust_ratio='frozen'", {"compression_space": "preconditioned",
+                                                             "trust_ratio": "frozen"}))
     return out
 
 
@@ -119,8 +123,13 @@ def main() -> None:
     parser.add_argument("--bound", action="store_true",
                         help="add the preconditioned space without its default bound, update_bound=None "
                              "(writes space_cost[_lamb]_bound.*)")
+    parser.add_argument("--trust-ratio", action="store_true",
+                        help="(--optimizer lamb) add trust_ratio='frozen', DeepSpeed's rule, beside the default "
+                             "'live' (writes space_cost_lamb_trust.*)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
+    if args.trust_ratio and args.optimizer != "lamb":
+        parser.error("--trust-ratio is 1-bit LAMB's: pass --optimizer lamb")
     result = run_local_ranks(_rank, args.world_size, args)
     result.update(machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
@@ -135,6 +144,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     suffix = ("" if args.optimizer == "adam" else f"_{args.optimizer}") + ("_bound" if args.bound else "")
+    suffix += "_trust" if args.trust_ratio else ""
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"space_cost{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out_dir / f"space_cost{suffix}.md").write_text(text)
