@@ -14,6 +14,7 @@ from conftest import all_equal, seeded_params, tiny_mlp
 from distributed import one_thread, run_ranks
 from onebit import OnebitAdam, OnebitLamb, load_checkpoint, save_checkpoint
 from onebit.integrations import attach_ddp
+from onebit.lamb import SMOOTHING
 from onebit.testing import simulate_compressed_allreduce
 
 LR, WD, BETAS, EPS = 2e-2, 0.01, (0.9, 0.999), 1e-8
@@ -157,6 +158,9 @@ def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None
                         p.sub_(u * (lr * c))
                 else:
                     prev = [s["m"] for s in st]
+                    if t == freeze_step + 1 and not frozen:  # the live ratio's average of u, from m / d
+                        for s in st:
+                            s["ubar"] = s["m"] / (s["v"].sqrt() + eps)
                     for i, (p, s) in enumerate(zip(params, st)):
                         if absent[i]:
                             continue
@@ -170,9 +174,11 @@ def oracle(n: int, steps: int, freeze_step: int = FREEZE, hp: dict | None = None
                             keep &= masks[i]
                         m = torch.where(keep, sim.output.view_as(p), 0.0)
                         s["m"] = m
-                        if not frozen:  # this step's ratio, from the averaged momentum
-                            u = torch.add(m / (s["v"].sqrt() + eps), p, alpha=wd)
-                            p.sub_(u * (lr * trust_ratio(p, u, hp)))
+                        if not frozen:  # the ratio from u averaged over steps; the step along this step's u
+                            u0 = m / (s["v"].sqrt() + eps)
+                            s["ubar"] = s["ubar"] * SMOOTHING + u0 * (1 - SMOOTHING)
+                            c = trust_ratio(p, torch.add(s["ubar"], p, alpha=wd), hp)
+                            p.sub_(torch.add(u0, p, alpha=wd) * (lr * c))
                             continue
                         g_rec = (m - b1 * prev[i]) / (1 - b1)
                         s["fresh"] = torch.addcmul(s["fresh"] * b2, g_rec, g_rec, value=1 - b2)
