@@ -242,15 +242,14 @@ class OnebitLamb(FrozenVarianceOptimizer):
         flat = torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator, out=bucket.scratch("update"))
         smoothed = bucket.buffers["smoothed_update"].mul_(SMOOTHING).add_(flat, alpha=1 - SMOOTHING)
         params = self._float(bucket.params)
-        if weight_decay != 0:  # ||smoothed + wd p||, in the update's buffer, before the update itself
+        if weight_decay != 0:  # ||smoothed + wd p|| in the update's buffer, then the update itself in it
             torch._foreach_add_(bucket.view(flat.copy_(smoothed)), params, alpha=weight_decay)
             denominators = self._norms(bucket, bucket.view(flat))
             torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator, out=flat)
+            torch._foreach_add_(bucket.view(flat), params, alpha=weight_decay)
         else:
             denominators = self._norms(bucket, bucket.view(smoothed))
         updates = bucket.view(flat)
-        if weight_decay != 0:
-            torch._foreach_add_(updates, params, alpha=weight_decay)
         coeff = F.lamb_trust_ratio(self._norms(bucket, bucket.params), denominators, group["min_coeff"],
                                    group["max_coeff"])
         self._apply(bucket, updates, coeff, group["lr"])

@@ -56,11 +56,11 @@ sys.path.insert(0, str(HERE))
 
 from compare import launch  # noqa: E402
 
+from onebit.lamb import OnebitLamb  # noqa: E402
+
 DEEPSPEED_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.01, "comm_backend_name": "gloo"}
 DEMO = json.loads((HERE / "configs" / "onebit_gloo.json").read_text())["optimizer"]["params"]
 LAMB = json.loads((HERE / "configs" / "onebit_lamb_gloo.json").read_text())["optimizer"]["params"]
-# 1-bit LAMB's trust_ratio="frozen" (DeepSpeed's rule) with DeepSpeed's defaults, as its docs' config writes them
-FROZEN_RULE = {"coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1}
 ZOADAM = json.loads((HERE / "configs" / "zoadam_gloo.json").read_text())["optimizer"]["params"]
 
 
@@ -94,7 +94,8 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
     for name in ("lamb_onebit", "lamb98_onebit"):
         params, lamb, kind = runs[name]
         runs[f"{name}_live"] = ({**params, "trust_ratio": "live"}, lamb, kind)
-        runs[f"{name}_frozen"] = ({**params, "trust_ratio": "frozen", **FROZEN_RULE}, lamb, kind)
+        # (with DeepSpeed's factor arguments written out, as its docs' config does)
+        runs[f"{name}_frozen"] = ({**params, "trust_ratio": "frozen", **OnebitLamb.FROZEN_DEFAULTS}, lamb, kind)
     for name, (params, adam, kind) in list(runs.items()):
         if name != adam:  # a 1-bit run
             runs[f"{name}_bf16"] = ({**params, "reduce_dtype": "bfloat16"}, adam, kind)
