@@ -8,6 +8,7 @@ recorded one.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 from pathlib import Path
@@ -37,11 +38,30 @@ def load_model(model_class: type, run: dict) -> torch.nn.Module:
     return model
 
 
-def backward(model: torch.nn.Module, run: dict, step: int, rank: int) -> None:
-    """Rank ``rank``'s gradient of onebit-step ``step`` (1-based) at the model's parameters."""
-    model.zero_grad(set_to_none=False)
+# How the same gradient can be rounded: torch's matrix products and reductions sum in an order set by
+# the CPU (vector width, BLAS kernel, threads), so another machine's gradient differs in its last
+# bits, and so does the recording machine's. "float64" (computed in float64, rounded once) and
+# "reversed" (the batch summed in the opposite order) are two such roundings that any machine can
+# reproduce; each parity file's tolerance is tested to cover them with a margin.
+ROUNDINGS = ("native", "float64", "reversed")
+
+
+def backward(model: torch.nn.Module, run: dict, step: int, rank: int, rounding: str = "native") -> None:
+    """Rank ``rank``'s gradient of onebit-step ``step`` (1-based) at the model's parameters, rounded
+    as this machine does (``"native"``) or as one of the other ``ROUNDINGS``."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
     inputs = [run[key][step - 1, rank] for key in ("inputs", "extra_inputs") if key in run]
-    torch.nn.functional.mse_loss(model(*inputs), run["targets"][step - 1, rank]).backward()
+    target = run["targets"][step - 1, rank]
+    if rounding == "reversed":
+        inputs, target = [x.flip(0) for x in inputs], target.flip(0)
+    network = copy.deepcopy(model).double() if rounding == "float64" else model
+    network.zero_grad(set_to_none=False)
+    dtype = next(network.parameters()).dtype
+    torch.nn.functional.mse_loss(network(*(x.to(dtype) for x in inputs)), target.to(dtype)).backward()
+    if network is not model:
+        for p, q in zip(model.parameters(), network.parameters()):
+            p.grad = q.grad.float()
 
 
 def relative_differences(trajectory: dict, reference: dict) -> list[float]:

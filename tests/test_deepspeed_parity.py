@@ -28,17 +28,28 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_replay import DATA_DIR, backward, by_phase, load_model, reference_script, relative_differences
+from deepspeed_replay import (DATA_DIR, ROUNDINGS, backward, by_phase, load_model, reference_script,
+                              relative_differences)
 from distributed import run_ranks
 from onebit import OnebitAdam
 from onebit.testing import simulate_compressed_allreduce
 
 DATA = DATA_DIR / "deepspeed_onebitadam.pt"
 # max |p - p_ds| / max |p_ds|, per tensor, at every step. Both sides round differently at every
-# step (p - lr * u fused or not, the scale's sum of squares in float64 or float32, gloo's sum
-# order), a few float32 ulps (1.2e-7 each, relative) over 12 steps: measured 2e-7 .. 9e-7. Any
-# different sign bit or scale moves a parameter by about lr (5e-3) instead.
-TOLERANCE = 2e-6
+# step: the optimizer's own operations (p - lr * u fused or not, the scale's sum of squares in
+# float64 or float32, gloo's sum order), a few float32 ulps (1.2e-7 each, relative), and the
+# gradient itself, which torch sums in an order that depends on the CPU. The gradient's rounding
+# dominates: an element of fc1.bias has a gradient that nearly cancels (|g| near
+# eps / sqrt(1 - beta2)), where m / (sqrt(v) + eps) turns its last bits into 1e-5 of max |p|.
+# Measured on an AMD EPYC with AVX-512 at torch's vector widths default, AVX2 and AVX-512 and 1 or 2
+# threads: 2e-7 .. 9e-7 with that machine's gradients, up to 2.9e-6 with the gradients rounded
+# once from float64 and 2.0e-5 with the batch summed in reverse (``ROUNDINGS``); an Intel machine
+# with AVX-512 measured 7.1e-6 (issue 44). The tolerance is 5x the largest of these, and
+# test_tolerance_covers_other_roundings keeps 2x of it free on whatever machine runs the tests.
+# Any different sign bit or scale moves a parameter by about lr (5e-3) against max |p| ~0.15
+# instead: the checks below that must fail miss by 0.49 and more.
+TOLERANCE = 1e-4
+MARGIN = 2
 DEFAULT_BUCKET = "default"
 
 
@@ -121,9 +132,11 @@ def test_onebit_adam_follows_deepspeed_trajectory(onebit_runs, world_size, bucke
 # ----------------------------------------------------------------- the check can fail
 
 
-def simulate(world_size: int, *, shared_scale: bool = False, freeze_step: int | None = None) -> dict:
+def simulate(world_size: int, *, shared_scale: bool = False, freeze_step: int | None = None,
+             rounding: str = "native") -> dict:
     """The whole training in one process, from the maths, with DeepSpeed's per-tensor scales, or
-    with one scale for all tensors (``shared_scale``), or another ``freeze_step``."""
+    with one scale for all tensors (``shared_scale``), or another ``freeze_step``, or the gradients
+    rounded another way (``rounding``, one of ``deepspeed_replay.ROUNDINGS``)."""
     run = REFERENCE["runs"][world_size]
     freeze_step = HYPER["freeze_step"] if freeze_step is None else freeze_step
     b1, b2 = HYPER["betas"]
@@ -138,7 +151,7 @@ def simulate(world_size: int, *, shared_scale: bool = False, freeze_step: int | 
     for t in range(1, HYPER["steps"] + 1):
         grads = []
         for rank in range(world_size):
-            backward(model, run, t, rank)
+            backward(model, run, t, rank, rounding)
             grads.append([p.grad.clone() for p in params])
         if t <= freeze_step:
             for i in range(len(params)):
@@ -174,3 +187,12 @@ def test_parity_check_can_fail(world_size):
     late = relative_differences(simulate(world_size, freeze_step=f + 1), reference)
     assert max(late[:f]) <= TOLERANCE
     assert min(late[f:]) > 100 * TOLERANCE, _by_phase(late)
+
+
+@pytest.mark.parametrize("rounding", [r for r in ROUNDINGS if r != "native"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tolerance_covers_other_roundings(world_size, rounding):
+    """The same maths fed gradients rounded as another CPU might round them stays within
+    ``TOLERANCE / MARGIN`` of DeepSpeed: the tolerance covers the machines, not only this one."""
+    differences = relative_differences(simulate(world_size, rounding=rounding), REFERENCE["runs"][world_size]["trajectory"])
+    assert max(differences) <= TOLERANCE / MARGIN, _by_phase(differences)

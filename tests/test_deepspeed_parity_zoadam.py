@@ -23,14 +23,17 @@ import torch
 import onebit
 from deepspeed_replay import DATA_DIR, backward, load_model, reference_script, relative_differences
 from distributed import run_ranks
+from test_deepspeed_zoadam_reference import TOLERANCE as ZOADAM_MATHS_TOLERANCE
 
 pytestmark = pytest.mark.slow  # gloo ranks
 
 DATA = DATA_DIR / "deepspeed_zerooneadam.pt"
 # max |p_r - p_ds,r| / max |p_ds,r| over ranks at every step: a few float32 roundings per step
-# (onebit's momentum is a lerp, its update fused; the scale's sum in another order). A step of
-# another kind, or a sign bit flipped, misses by 1e-3 and more.
-TOLERANCE = 1e-6
+# (onebit's momentum is a lerp, its update fused; the scale's sum in another order) and the
+# gradient's own rounding, which depends on the CPU: the tolerance of the maths' check against the
+# same recording (tests/test_deepspeed_zoadam_reference.py says how it was measured). A step of
+# another kind, or a sign bit flipped, misses by 7e-2 and more.
+TOLERANCE = ZOADAM_MATHS_TOLERANCE
 
 REFERENCE = torch.load(DATA, weights_only=False)  # committed: a missing file is an error, not a skip
 HYPER = REFERENCE["hyperparameters"]
