@@ -27,6 +27,7 @@ import torch
 from .backends import CommBackend, resolve_backend
 from .buckets import Bucket, check_grads, set_masks, split_into_buckets
 from .overlap import Overlap
+from .rounds import Round
 from .health import Health
 from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
@@ -210,6 +211,8 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         self._backend: InstrumentedBackend | None = None
         self._staging = False  # _compress_input must leave the state as it is (see onebit.overlap)
         self._overlap: Overlap | None = None
+        self._round: Round | None = None  # the round backward began for the coming step (overlap_backward)
+        self._told_changed = False  # the warning that a round was redone, said once
         super().__init__(params, defaults)
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
@@ -227,7 +230,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         self._momentum_masks = dict(momentum_masks or {})
         self._trainable_at_build = self._trainable()
         if overlap_backward:
-            self._overlap = Overlap(self)
+            self._overlap = Overlap(self._start_early)
             self._overlap.attach(self._buckets)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -465,6 +468,16 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     def overlap_backward(self) -> bool:
         return self._overlap is not None
 
+    def set_accumulation_boundary(self, boundary: Callable[[], bool] | None) -> None:
+        """With ``overlap_backward=True``: ``boundary()`` says whether the backward running now ends a
+        gradient accumulation (e.g. the DeepSpeed engine's ``is_gradient_accumulation_boundary``);
+        the backward passes before it start nothing, as under :meth:`no_sync`. None: every backward
+        may start the coming step's communication. Without overlap it does nothing."""
+        if boundary is not None and not callable(boundary):
+            raise TypeError(f"set_accumulation_boundary expects a callable returning a bool or None, got {boundary!r}")
+        if self._overlap is not None:
+            self._overlap.boundary = boundary
+
     @property
     def backend(self) -> CommBackend:
         """The transport in use."""
@@ -545,8 +558,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             with torch.enable_grad():
                 loss = closure()
         if self._trainable() != self._trainable_at_build:
-            if self._overlap is not None:
-                self._overlap.drain()
+            self._drain()
             self._rebuild_buckets()
             if self._overlap is not None:
                 self._overlap.attach(self._buckets)
@@ -557,7 +569,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         t = self._step + 1
         self._schedule_step(t)
         plan = self.plan_for(t)
-        if self._overlap is None or not self._overlap.began(t):  # (a round begins the step's statistics)
+        if not self._began(t):  # (a round begun during backward began the step's statistics)
             self._backend.begin_step(plan.name)
         if not self._layout_checked:  # first step: ranks holding different models fail clearly
             check_layout(self._buckets, self._backend)

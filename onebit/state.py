@@ -347,8 +347,7 @@ class StateDictContract:
                 state_dict = result
         loaded = validate_state_dict(self, state_dict)
         check_compression_errors(self, compression_errors)
-        if self._overlap is not None:  # work started during a backward is dropped: it read the old state
-            self._overlap.drain()
+        self._drain()  # work started during a backward is dropped: it read the old state
         # Everything is checked: from here on nothing can fail half-way on the user's input.
         apply_state(self, loaded)
         self._apply_schedule(loaded.schedule)

@@ -1,22 +1,28 @@
 """How a step runs: the part of :class:`onebit.engine.OnebitOptimizer` between ``step()`` and the
 algorithm's update rules (a mixin, as :mod:`onebit.lifecycle` and :mod:`onebit.state` are).
 
-Which buckets a plan compresses, averages or updates locally (``_classify``); the agreement of every
-rank on non-finite gradients and on parameters without a gradient (``_agree``); the check for
-gradients a framework averaged already; the pipelined compressed all-reduce and the updates
-(``_update``); and, with ``overlap_backward``, the round of work backward started
-(:mod:`onebit.overlap`): finished, or dropped and run again without it.
+One path for every step: which buckets a plan compresses, averages or updates locally
+(``_classify``); the step's :class:`onebit.rounds.Round`, the work started for its buckets (by
+backward's hooks with ``overlap_backward``, see :mod:`onebit.overlap`, else by the step itself, at
+once) and what the step reads back from it; the agreement of every rank on non-finite gradients
+and on parameters without a gradient (``_agree``, ``_exchange_flags``); the full-precision
+average with its check for gradients a framework averaged already (``_average``); and the
+pipelined compressed all-reduce and the updates (``_update``).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from .buckets import Bucket, all_finite, build_keep_mask, grads_of
 from .collectives import finish_, start_server_, start_worker_
 from .health import HEALTH_CHECK_INTERVAL, error_ratio
-from .overlap import Round
 from .plan import StepPlan
+from .rounds import Round, fingerprint
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Steps"]
 
@@ -59,6 +65,69 @@ class Steps:
             kept = [build_keep_mask(b, self._dead(b)) for b in compressed]
             self._on_compression(compressed, [keep for keep, _ in kept], t, sum(dead for _, dead in kept))
 
+    # ----------------------------------------------------------------- the round
+
+    def _new_round(self, plan: StepPlan, t: int, staged: bool, begin: bool = False) -> Round:
+        """A round for step ``t`` with nothing started. ``staged``: its compressed buckets will
+        start before the ranks agree on the step (their keep masks, which read the state only,
+        are derived now); ``begin``: it begins during backward, and with it the step's statistics."""
+        if begin:
+            self._backend.begin_step(plan.name)
+        compressed, _, reduced = self._classify(plan)
+        check_double = bool(reduced) and self._backend.world_size > 1 and self._double_checks < self._DOUBLE_CHECKS
+        if staged and compressed:
+            self._prepare_compression(compressed, t)
+        return Round(plan, t, check_double)
+
+    def _began(self, t: int) -> bool:
+        """Whether backward began the round of step ``t`` (and with it the step's statistics)."""
+        return self._round is not None and self._round.t == t
+
+    def _start_early(self, position: int) -> bool:
+        """``overlap_backward``'s callback: start bucket ``position`` of the hooks' order for the
+        coming step, staged; False when nothing starts during this backward."""
+        if not self._layout_checked:  # the first step checks the layout first
+            return False
+        if self._round is None:
+            t = self._step + 1
+            plan = self.plan_for(t)
+            if not self._starts_early(plan):
+                return False
+            self._round = self._new_round(plan, t, staged=True, begin=True)
+        self._start(self._round, self._overlap.order[position], staged=True)
+        return True
+
+    def _start(self, r: Round, bucket: Bucket, grads: list[torch.Tensor | None] | None = None,
+               staged: bool = False) -> None:
+        """Start what the round's plan sends for ``bucket`` (its ``grads``, read now if None): a
+        full-precision all-reduce, or the compressed input and the worker stage (``staged``:
+        without writing the state, after the server stage of the bucket staged before it)."""
+        compressed, _, reduced = self._classify(r.plan, [bucket])
+        if reduced:
+            if grads is None:
+                with self._timed("gather_grads"):
+                    grads = grads_of(bucket, True, None)
+            if r.check_double:
+                r.local[id(bucket)] = bucket.wire()[:bucket.numel].clone()
+            r.pending[id(bucket)] = self._backend.start_all_reduce_mean_(bucket.wire_to_send(self._wire_dtype()))
+        elif compressed:
+            grads = grads_of(bucket, False, None) if grads is None else grads
+            if staged:
+                if r.staged:  # the server stage of the bucket started before (its all-to-all is through by now)
+                    start_server_(r.staged[-1].compression, self._backend, self._kernels_for(r.staged[-1]), staged=True)
+                self._stage(bucket, grads, r.t)
+                r.staged.append(bucket)
+            else:
+                with self._timed("compress_input"):
+                    bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], r.t)
+                start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket),
+                              multiplier=_into(self._codec_multipliers(bucket)), bound=self._codec_bound(bucket, r.t))
+        else:
+            return  # nothing to send: the step reads this bucket's gradients itself
+        r.grads[id(bucket)] = grads
+        if staged:
+            r.fingerprints[id(bucket)] = (bucket, fingerprint(bucket))
+
     def _stage(self, bucket: Bucket, grads: list[torch.Tensor | None], t: int) -> None:
         """Compress ``bucket``'s input for step ``t`` without changing the state, and start its
         worker stage (``overlap_backward``; the caller kept the worker error)."""
@@ -72,87 +141,114 @@ class Steps:
                       multiplier=_into(self._codec_multipliers(bucket)), bound=self._codec_bound(bucket, t))
         bucket.compressed = self._decode_target(bucket)
 
-    def _overlapped(self, plan: StepPlan, t: int) -> Round | None:
-        """With ``overlap_backward``: the round of step ``t`` with every bucket started, once all
-        ranks agreed that no gradient changed since its bucket started; else None (the step then
-        runs as without overlap, nothing in flight)."""
-        overlap = self._overlap
-        if overlap is None:
-            return None
+    def _start_rest(self, r: Round) -> None:
+        """Start, staged and in the hooks' order, every bucket that backward did not."""
+        for bucket in self._overlap.order:
+            if not r.started(bucket):
+                self._start(r, bucket, staged=True)
+
+    def _drain(self) -> None:
+        """Finish the round backward began without applying it (every rank starts what it had not,
+        so that the collectives match): the state is as before the round."""
+        r, self._round = self._round, None
+        if self._overlap is None:
+            return
+        self._overlap.reset()
+        if r is not None:
+            self._start_rest(r)
+            r.discard()
+
+    def _round_of(self, plan: StepPlan, t: int, overlap: bool = True) -> Round:
+        """The round of step ``t``: with ``overlap_backward`` and a plan that starts early, the one
+        backward began with every bucket started, once all ranks agreed that no gradient changed
+        since its bucket started (a compressed step agrees in its finiteness flag, see
+        :meth:`_exchange_flags`); else a round with nothing started yet."""
+        if self._overlap is None or not overlap:
+            return self._new_round(plan, t, staged=False)
         if not self._starts_early(plan):
-            overlap.drain()
-            return None
+            self._drain()
+            return self._new_round(plan, t, staged=False)
         if getattr(self, "grad_scale", None) is not None:
-            overlap.drain()
+            self._drain()
             raise ValueError(
                 f"{type(self).__name__}(overlap_backward=True) cannot be used with torch.amp.GradScaler: the "
                 "gradients are sent during backward, before the scaler's scale is known. Pass "
                 "overlap_backward=False, or train in bfloat16 (autocast without a scaler)")
-        r = overlap.start_rest(plan, t)
-        overlap.round = None
-        r.changed = overlap.changed(r)
+        r = self._round
+        if r is None or r.t != t or r.plan != plan:
+            self._drain()
+            r = self._new_round(plan, t, staged=True)
+        self._start_rest(r)
+        self._round = None
+        r.changed = r.gradients_changed(self._overlap.repeated)
+        self._overlap.reset()
         if self._classify(plan)[0]:
-            return r  # the finiteness flag of the compressed step carries it (_agree)
+            return r
         flag = torch.tensor([float(r.changed)], device=self._device())
         self._backend.all_reduce_mean_(flag)
         if flag.item() > 0:
-            overlap.discard(r)
-            overlap.tell_changed()
-            return None
+            r.discard()
+            self._tell_changed()
+            return self._new_round(plan, t, staged=False)
         return r
+
+    def _tell_changed(self) -> None:
+        if not self._told_changed and self._speaks:
+            logger.warning(
+                "onebit: step %d: gradients changed between backward and step() on some rank (accumulation outside "
+                "optimizer.no_sync(), gradient clipping, or zero_grad() and another backward): the communication "
+                "started during backward was redone in step(). Run the micro-batches before the last under "
+                "optimizer.no_sync() (the adapters do it for you), and use overlap_backward=False when you clip or "
+                "change gradients after backward", self._step + 1)
+        self._told_changed = True
+
+    # ----------------------------------------------------------------- the step
 
     def _run(self, plan: StepPlan, t: int, overlap: bool = True) -> bool:
         """Run step ``t`` over all buckets; return False when it was skipped for non-finite grads."""
         compressed, averaged, reduced = self._classify(plan)
-        r = self._overlapped(plan, t) if overlap else None
+        r = self._round_of(plan, t, overlap)
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        at = self._overlap.position if r is not None else {}
         with self._timed("gather_grads"):
-            grads = [r.grads[at[id(b)]] if r is not None and at[id(b)] in r.grads else grads_of(b, b in averaged, inv_scale)
-                     for b in self._buckets]
+            grads = [r.grads[id(b)] if r.started(b) else grads_of(b, b in averaged, inv_scale) for b in self._buckets]
         try:
-            verdict, absent = self._agree(plan, t, grads, compressed, averaged, reduced, r)
+            verdict, absent = self._agree(plan, t, r, grads, compressed, averaged, reduced)
         except _Redo:  # some rank's gradients changed after backward started their buckets
-            self._overlap.discard(r)
-            self._overlap.tell_changed()
+            r.discard()
+            self._tell_changed()
             return self._run(plan, t, overlap=False)
         if verdict is not None:
             return verdict
-        if r is not None:
-            self._overlap.commit(r)
+        r.commit()
         self._prepare_compression(compressed, t)
         # Parameters without a gradient on any rank are left as they are, with their state (as in
         # torch.optim): their values are put back after the bucket's update (see _present).
         held = []
         for bucket, indices in zip(self._buckets, absent):
             if indices:
-                if r is not None:
-                    self._overlap.restore_errors(r, bucket, indices)
+                r.restore_errors(bucket, indices)
                 self._before_update(bucket, t)
                 held.append(bucket.hold(indices, self._SHARED_SCALARS))
-        self._update(t, grads, compressed, averaged, set() if r is None else {id(self._overlap.order[i]) for i in r.staged})
+        self._update(r, grads, compressed, averaged)
         for kept_still in held:
             kept_still.restore_()
         self._step = t
         return True
 
-    def _agree(self, plan: StepPlan, t: int, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
-               averaged: list[Bucket], reduced: list[Bucket], r: Round | None = None) -> tuple[bool | None, list[list[int]]]:
+    def _agree(self, plan: StepPlan, t: int, r: Round, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
+               averaged: list[Bucket], reduced: list[Bucket]) -> tuple[bool | None, list[list[int]]]:
         """Before anything changes, let the ranks agree whether every gradient is finite and which
-        parameters have a gradient on no rank, and all-reduce the ``reduced`` buckets' gradients
-        (with a round of ``overlap_backward``, ``r``: wait for the all-reduces it started; a skipped
-        step puts back the worker errors of its staged buckets).
+        parameters have a gradient on no rank, and average the ``reduced`` buckets' gradients.
 
         Returns ``(verdict, absent)``: ``verdict`` None to go on, else what :meth:`_run` returns
         without updating; ``absent``, per bucket, the indices of its parameters to leave alone."""
         # Full-precision all-reduces carry a NaN or inf, and the presence flags, to every rank by
-        # themselves. A compressed step needs one small all-reduce: the finiteness flag, the last
-        # health check's error ratio, and the count of gradients missing on each rank. A
-        # step that communicates nothing needs none: a rank whose gradients are not finite leaves
-        # its own parameters and state as they are and the step still counts, so that every rank
-        # keeps the same plans (presence is then the rank's own); only nonfinite_grads='raise'
-        # (every rank raises) or gradients averaged on a local step make the ranks agree with it.
+        # themselves. A compressed step needs one small all-reduce (_exchange_flags). A step that
+        # communicates nothing needs none: a rank whose gradients are not finite leaves its own
+        # parameters and state as they are and the step still counts, so that every rank keeps
+        # the same plans (presence is then the rank's own); only nonfinite_grads='raise' (every
+        # rank raises) or gradients averaged on a local step make the ranks agree with it.
         found_inf = getattr(self, "found_inf", None)
         local_bad = found_inf is not None and bool(found_inf.item() > 0)
         communicates = plan.average_gradients or plan.compress
@@ -161,51 +257,8 @@ class Steps:
         counted = bool(compressed) or (not communicates and several and not alone)
         present = {id(b): self._present(b, plan) for b in self._buckets}
         if counted:
-            with self._timed("finite_check"):
-                local_bad = local_bad or not all_finite(grads)
-            # The error ratio travels too, so that every rank agrees on it (and raises together).
-            ratio = self._health.error_ratio
-            moved = self._health.update_ratio  # pending on every rank alike (the same schedule)
-            # The flag counts the parameters without a gradient on this rank (on a step that
-            # communicates nothing for them, a rank leaves alone what it has no gradient for: no
-            # count). Only when some rank lacks one do the ranks exchange which, in a second small
-            # all-reduce: a step where every rank has every gradient sends 4 bytes more, no more.
-            flagged = [b for b in self._buckets if b not in reduced] if communicates else []
-            here = [float(has) for b in flagged for has in present[id(b)]]
-            # (with overlap_backward, last: whether this rank's gradients changed since backward used them)
-            changed = [] if r is None or r.changed is None else [float(r.changed)]
-            flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio,
-                                 *([] if moved is None else [moved[0]]),
-                                 *([float(len(here) - sum(here))] if flagged else []), *changed], device=self._device())
-            self._backend.all_reduce_mean_(flag)
-            if changed and flag[-1].item() > 0:
-                raise _Redo
-            bad_ranks = round(flag[0].item() * self._backend.world_size)
-            if ratio is not None:
-                self._health.judge(float(flag[1].item()), t, self._backend.rank)
-            if moved is not None:
-                self._health.judge_updates(float(flag[2].item()), t, self._backend.rank)
-            if flagged and flag[-1 - len(changed)].item() > 0:
-                anywhere = torch.tensor(here, device=self._device())
-                self._backend.all_reduce_mean_(anywhere)
-                agreed = (anywhere > 0).tolist()
-                for b in flagged:
-                    present[id(b)], agreed = agreed[:len(b.params)], agreed[len(b.params):]
-        at = self._overlap.position if r is not None else {}
-        if r is None:
-            local = self._before_double_check(reduced)
-        else:
-            local = [r.local[at[id(b)]] for b in reduced] if r.check_double else None
-            self._double_checks += int(r.check_double)
-        for bucket in reduced:
-            if r is None:
-                self._backend.all_reduce_mean_(bucket.wire_to_send(self._wire_dtype()))
-            else:
-                r.pending[at[id(bucket)]].wait()
-            bucket.wire_received(self._wire_dtype())
-            present[id(bucket)] = (bucket.presence() > 0).tolist()
-        if local is not None:
-            self._double_check(local, reduced, t)
+            bad_ranks = self._exchange_flags(plan, t, r, grads, reduced, present, local_bad)
+        self._average(r, {id(b): g for b, g in zip(self._buckets, grads)}, reduced, present, t)
         if not counted:
             with self._timed("finite_check"):
                 bad_ranks = int(local_bad or not all_finite(grads))
@@ -216,21 +269,65 @@ class Steps:
                 self._skipped_alone(bucket, self.param_groups[bucket.group_index], t)
             self._step = t
             return True, absent
-        if bad_ranks and r is not None:
-            self._overlap.discard(r)
         if bad_ranks:
+            r.discard()
             where = (f"on {bad_ranks} of {self._backend.world_size} ranks" if counted
                      else "in the averaged gradients" if communicates else "in the gradients")
             return self._health.nonfinite(t, where, self._backend.rank), absent
         return None, absent
 
-    def _before_double_check(self, reduced: list[Bucket]) -> list[torch.Tensor] | None:
-        """On the first DOUBLE_AVERAGE_CHECKS steps whose gradients this optimizer all-reduces on
-        several ranks: a copy of this rank's gradients before the all-reduce."""
-        if not reduced or self._backend.world_size == 1 or self._double_checks >= self._DOUBLE_CHECKS:
-            return None
-        self._double_checks += 1
-        return [bucket.wire()[:bucket.numel].clone() for bucket in reduced]
+    def _exchange_flags(self, plan: StepPlan, t: int, r: Round, grads: list[list[torch.Tensor | None]],
+                        reduced: list[Bucket], present: dict[int, list[bool]], local_bad: bool) -> int:
+        """One small all-reduce: the finiteness flag, the last health check's error ratio (so that
+        every rank agrees on it, and raises together), the count of gradients missing on each
+        rank and, with ``overlap_backward``, whether this rank's gradients changed since backward
+        read them (then :class:`_Redo`). Returns how many ranks have non-finite gradients;
+        ``present`` becomes, per bucket, whether each parameter has a gradient on some rank."""
+        with self._timed("finite_check"):
+            local_bad = local_bad or not all_finite(grads)
+        ratio = self._health.error_ratio
+        moved = self._health.update_ratio  # pending on every rank alike (the same schedule)
+        # The flag counts the parameters without a gradient on this rank (on a step that
+        # communicates nothing for them, a rank leaves alone what it has no gradient for: no
+        # count). Only when some rank lacks one do the ranks exchange which, in a second small
+        # all-reduce: a step where every rank has every gradient sends 4 bytes more, no more.
+        flagged = [b for b in self._buckets if b not in reduced] if plan.average_gradients or plan.compress else []
+        here = [float(has) for b in flagged for has in present[id(b)]]
+        changed = [] if r.changed is None else [float(r.changed)]
+        flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio,
+                             *([] if moved is None else [moved[0]]),
+                             *([float(len(here) - sum(here))] if flagged else []), *changed], device=self._device())
+        self._backend.all_reduce_mean_(flag)
+        if changed and flag[-1].item() > 0:
+            raise _Redo
+        if ratio is not None:
+            self._health.judge(float(flag[1].item()), t, self._backend.rank)
+        if moved is not None:
+            self._health.judge_updates(float(flag[2].item()), t, self._backend.rank)
+        if flagged and flag[-1 - len(changed)].item() > 0:
+            anywhere = torch.tensor(here, device=self._device())
+            self._backend.all_reduce_mean_(anywhere)
+            agreed = (anywhere > 0).tolist()
+            for b in flagged:
+                present[id(b)], agreed = agreed[:len(b.params)], agreed[len(b.params):]
+        return round(flag[0].item() * self._backend.world_size)
+
+    def _average(self, r: Round, grads: dict[int, list[torch.Tensor | None]], reduced: list[Bucket],
+                 present: dict[int, list[bool]], t: int) -> None:
+        """The full-precision average of the ``reduced`` buckets: every one that backward did not
+        start starts now, at once; then each is waited for, and ``present`` records which of its
+        parameters have a gradient on some rank. On the round's first steps, the double-average
+        check (:meth:`_double_check`)."""
+        for bucket in reduced:
+            if not r.started(bucket):
+                self._start(r, bucket, grads[id(bucket)])
+        for bucket in reduced:
+            r.wait(bucket)
+            bucket.wire_received(self._wire_dtype())
+            present[id(bucket)] = (bucket.presence() > 0).tolist()
+        if r.check_double:
+            self._double_checks += 1
+            self._double_check([r.local[id(b)] for b in reduced], reduced, t)
 
     def _double_check(self, local: list[torch.Tensor], reduced: list[Bucket], t: int) -> None:
         """A framework that averages gradients itself (DDP, Lightning, Accelerate, the DeepSpeed
@@ -268,19 +365,16 @@ class Steps:
         m1, m2, q1, q2 = self._backend.all_reduce_mean_(digest).tolist()
         return all(q - m * m <= 1e-12 * q for m, q in ((m1, q1), (m2, q2)))
 
-    def _update(self, t: int, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
-                averaged: list[Bucket], staged: set[int] = frozenset()) -> None:
+    def _update(self, r: Round, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
+                averaged: list[Bucket]) -> None:
         """Update every bucket. Compressed buckets are pipelined: each bucket's all-to-all and
         all-gather are in flight while the other buckets are compressed, recompressed and updated
         (same results as one bucket after the other; every rank starts the collectives in the same
-        order). The buckets in ``staged`` (ids) started their worker stage during backward."""
+        order). Those the round did not start (during backward) start now, at once."""
+        t = r.t
         for bucket, bucket_grads in zip(self._buckets, grads):
-            if bucket in compressed and id(bucket) not in staged:
-                group = self.param_groups[bucket.group_index]
-                with self._timed("compress_input"):
-                    bucket.compressed = self._compress_input(bucket, bucket_grads, group, t)
-                start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket),
-                              multiplier=_into(self._codec_multipliers(bucket)), bound=self._codec_bound(bucket, t))
+            if bucket in compressed and not r.started(bucket):
+                self._start(r, bucket, bucket_grads)
         for bucket, bucket_grads in zip(self._buckets, grads):
             if bucket not in compressed:
                 with self._timed("update"):
@@ -290,7 +384,7 @@ class Steps:
                         self._update_local(bucket, bucket_grads, self.param_groups[bucket.group_index], t)
         # (in the order the worker stages started: overlap_backward started them in reverse, and
         # the server stages of all but the last with them)
-        for bucket in [b for b in self._overlap.order if b in compressed] if staged else compressed:
+        for bucket in [*r.staged, *(b for b in compressed if not r.is_staged(b))]:
             if bucket.compression.stage == 1:
                 start_server_(bucket.compression, self._backend, self._kernels_for(bucket))
         # Every HEALTH_CHECK_INTERVAL-th compressed step measures the compression errors against
@@ -311,7 +405,7 @@ class Steps:
             if measure:
                 moves.extend(self._moves(bucket, before))
         if measure:
-            self._health.error_ratio = max((r for r in ratios if r is not None), default=None)
+            self._health.error_ratio = max((x for x in ratios if x is not None), default=None)
             self._health.update_ratio = max(moves, default=None)
 
     def _moves(self, bucket: Bucket, before: list[torch.Tensor]) -> list[tuple[float, str]]:

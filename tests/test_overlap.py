@@ -82,8 +82,7 @@ def _train(cls, rank: int, overlap: bool, scenario: str) -> tuple[list[list[torc
                       side=scenario != "unused" or rank == 0, mid=scenario != "absent" or t % 3 != 0)
         if scenario == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        round_ = opt._overlap.round if overlap else None
-        started.append(0 if round_ is None else round_.started)
+        started.append(opt._overlap.started if overlap else 0)  # buckets started during this backward
         opt.step()
         sent.append(opt.comm_stats()["last_step"]["bytes_sent"])
         trajectory.append([p.detach().clone() for p in model.parameters()]

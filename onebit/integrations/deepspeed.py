@@ -121,8 +121,8 @@ def attach_deepspeed(engine: Any) -> None:
     """
     optimizer = _check_engine(engine)
     follow_plan(optimizer, lambda average: setattr(engine, "enable_backward_allreduce", average))
-    if optimizer.overlap_backward:  # accumulation's micro-batches before the boundary start nothing
-        optimizer._overlap.boundary = engine.is_gradient_accumulation_boundary
+    # (with overlap_backward: accumulation's micro-batches before the boundary start nothing)
+    optimizer.set_accumulation_boundary(engine.is_gradient_accumulation_boundary)
     if optimizer.backend.rank != 0:
         return
     clip = float(engine.gradient_clipping())
