@@ -14,6 +14,7 @@ from .checkpoint import load_checkpoint, load_compression_errors, save_checkpoin
 from .collectives import CompressionState, compressed_allreduce_
 from .config import from_config
 from .adam import OnebitAdam
+from .diloco import OnebitDiLoCo
 from .engine import OnebitOptimizer, StepPlan
 from .lamb import OnebitLamb
 from .zoadam import ZeroOneAdam
@@ -26,6 +27,7 @@ __all__ = [
     "CompressionState",
     "LocalBackend",
     "OnebitAdam",
+    "OnebitDiLoCo",
     "OnebitLamb",
     "OnebitOptimizer",
     "StepPlan",

@@ -168,6 +168,7 @@ class CountingBackend(TorchDistBackend):
         self.calls = 0
 
     all_reduce_mean_ = _counted("all_reduce_mean_")
+    start_all_reduce_mean_ = _counted("start_all_reduce_mean_")
     all_to_all = _counted("all_to_all")
     all_gather = _counted("all_gather")
     start_all_to_all = _counted("start_all_to_all")

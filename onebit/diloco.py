@@ -1,0 +1,251 @@
+"""OnebitDiLoCo: local AdamW steps, and every ``sync_every`` steps an outer step on the 1-bit average
+of the pseudo-gradient ``global_params - params``."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from . import functional as F
+from .buckets import Bucket
+from .engine import OnebitOptimizer
+from .layout import ranks_differing
+from .plan import StepPlan
+from .validation import DEEPSPEED_COMMON_REFUSED, check_flag, check_number, is_int
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OnebitDiLoCo", "INNER", "OUTER"]
+
+INNER = StepPlan("inner")  # an AdamW step on the local gradient; nothing is sent
+OUTER = StepPlan("outer", compress=True)  # the inner step, then the 1-bit average of the pseudo-gradient
+
+
+class OnebitDiLoCo(OnebitOptimizer):
+    r"""DiLoCo (Douillard et al., 2023, arXiv 2311.08105) with an error-compensated 1-bit outer
+    all-reduce, as a plain ``torch.optim.Optimizer``.
+
+    Every rank (a *worker*) takes **inner** steps of AdamW on its own gradient and sends nothing.
+    Every ``sync_every``-th step (``H``) is an **outer** step: after its inner step, the
+    pseudo-gradient ``delta = global_params - params`` is averaged over the ranks with the 1-bit
+    compressed all-reduce (the codec, scales, error feedback and transports of the other onebit
+    optimizers; the worker and server errors carry over from one outer step to the next), and
+    Nesterov momentum SGD moves the global parameters with it::
+
+        b = outer_momentum * b + mean(delta)
+        global_params -= outer_lr * (mean(delta) + outer_momentum * b)
+        params = global_params                     (on every rank, bit for bit)
+
+    ``global_params`` start as the parameters at construction: every rank must start from the same
+    parameters (the first outer step checks it and names the fix). With ``outer_lr=1`` and
+    ``outer_momentum=0`` the outer step is the plain average of the workers' parameters.
+
+    The inner step is ``torch.optim.AdamW``'s: ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v +
+    (1 - beta2) g^2``, ``p = p (1 - lr weight_decay) - lr (m / bc1) / (sqrt(v / bc2) + eps)``
+    (``bc`` the bias corrections, with ``bias_correction``, from the step number); parameters
+    without a gradient are left alone, as in torch. Learning-rate schedulers, ``zero_grad`` and
+    frozen layers work as with AdamW; the schedule of outer steps comes from the step number alone
+    (:attr:`next_plan`, ``comm_stats()`` counts ``"inner"`` and ``"outer"`` steps).
+
+    Bytes: one 1-bit all-reduce of the parameters every ``H`` steps, about
+    ``1 / H`` bit per parameter per step (1-bit Adam sends about 1 per step after its warmup).
+
+    Args:
+        params: parameters or param groups (a group may set its own ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``bias_correction``).
+        lr, betas, eps, weight_decay: the inner AdamW's (decoupled weight decay).
+        sync_every: ``H``, the steps between outer steps (an int >= 1).
+        outer_lr: the outer learning rate (> 0).
+        outer_momentum: the outer Nesterov momentum, in ``[0, 1)``; 0: plain SGD on the average.
+        bias_correction: the inner AdamW's bias correction (on by default, as in torch).
+        **options: the keyword-only options of every onebit optimizer (transport, group, masks,
+            buckets, scale blocks, non-finite gradients, divergence, kernels): see
+            :class:`onebit.engine.OnebitOptimizer`; not ``overlap_backward`` (an inner step
+            sends nothing to overlap) nor ``hierarchy``. A momentum mask keeps the averaged
+            pseudo-gradient and the outer momentum exactly 0 where it is 0.
+    """
+
+    PLAN_NAMES: ClassVar[tuple[str, ...]] = (INNER.name, OUTER.name)
+    _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer")
+    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
+    _SCALARS: ClassVar[dict[str, float]] = {"inner_step": 0.0}
+    _MASKED: ClassVar[str] = "outer_momentum_buffer"
+    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+    CONFIG_TYPE: ClassVar[str] = "OneBitDiLoCo"
+    DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
+    NOT_SETTINGS: ClassVar[Mapping[str, str]] = {
+        "freeze_step": "OnebitDiLoCo has no full-precision warmup; sync_every sets how often it communicates"}
+    _SCHEDULE: ClassVar[tuple[str, ...]] = ("sync_every", "outer_lr", "outer_momentum")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        sync_every: int = 16,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        bias_correction: bool = True,
+        **options: Any,
+    ) -> None:
+        _check_outer(sync_every, outer_lr, outer_momentum)
+        for name in ("overlap_backward", "hierarchy"):
+            if options.get(name) not in (None, False):
+                raise ValueError(f"OnebitDiLoCo({name}={options[name]!r}) is not supported: its inner steps send "
+                                 f"nothing, and its outer step is one compressed all-reduce; leave {name} unset")
+        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+                        weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults, **options)
+        self._start_checked = False
+        for bucket in self._buckets:
+            for view, p in zip(bucket.views["global_params"], bucket.params):
+                view.copy_(p.detach())
+
+    @classmethod
+    def _check_group(cls, group: Mapping[str, Any]) -> None:
+        super()._check_group(group)
+        check_flag("bias_correction", group["bias_correction"])
+        if group.get("compress") is False:
+            raise ValueError("OnebitDiLoCo: compress=False in a param group is not supported: every parameter "
+                             "takes part in the outer step; remove the key")
+
+    # ----------------------------------------------------------------- the schedule
+
+    def plan_for(self, step: int) -> StepPlan:
+        return OUTER if step % self.sync_every == 0 else INNER
+
+    @property
+    def replicas_identical(self) -> bool:
+        return self._step % self.sync_every == 0 or self._synced_at == self._step
+
+    def _schedule_state(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in self._SCHEDULE}
+
+    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        schedule = {key: meta.get(key) for key in self._SCHEDULE}
+        _check_outer(*schedule.values(), saved=True)
+        return schedule
+
+    def _apply_schedule(self, schedule: dict[str, Any]) -> None:
+        for key, value in schedule.items():
+            if value != getattr(self, key) and self._speaks:
+                logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, value, getattr(self, key))
+            setattr(self, key, value)
+
+    # ----------------------------------------------------------------- the steps
+
+    def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
+        # An outer step re-aligns every parameter, gradient or not (it may have moved since the last).
+        if plan is OUTER:
+            return [True] * len(bucket.owners)
+        return super()._present(bucket, plan)
+
+    def _update_local(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
+        """The inner AdamW step of the parameters that have a gradient (each counts its own steps
+        for the bias corrections, as in torch)."""
+        here = [i for i, g in enumerate(grads) if g is not None]
+        if not here:
+            return
+        beta1, beta2 = group["betas"]
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        steps = bucket.scalars["inner_step"]
+        steps[here] += 1
+        corrections = [F.bias_corrections(int(k), int(k), beta1, beta2, group["bias_correction"])
+                       for k in steps[here].tolist()]
+        m = [bucket.views["exp_avg"][i] for i in here]
+        v = [bucket.views["exp_avg_sq"][i] for i in here]
+        g = [grads[i] for i in here]
+        params = [bucket.params[i] for i in here]
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        torch._foreach_lerp_(m, g, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+        denominators = torch._foreach_sqrt(v)
+        torch._foreach_div_(denominators, [bc2 ** 0.5 for _, bc2 in corrections])
+        torch._foreach_add_(denominators, eps)
+        step_sizes = [-lr / bc1 for bc1, _ in corrections]
+        if bucket.same_dtype:
+            torch._foreach_addcdiv_(params, m, denominators, step_sizes)
+            return
+        for p, mi, d, size in zip(params, m, denominators, step_sizes):
+            p.add_(torch.div(mi, d).mul_(size).to(p.dtype))
+
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+        """The outer step's input: the inner step, then ``delta = global_params - params`` (0 in
+        the padding)."""
+        if not self._start_checked:
+            self._check_same_start()
+        self._update_local(bucket, grads, group, t)
+        delta = bucket.scratch("delta")
+        for view, theta, p in zip(bucket.view(delta), bucket.views["global_params"], bucket.params):
+            torch.sub(theta, p, out=view)
+        return delta
+
+    def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """The outer Nesterov step on the averaged pseudo-gradient; every rank continues from the
+        new global parameters."""
+        delta = bucket.compressed
+        theta = bucket.buffers["global_params"]
+        mu = self.outer_momentum
+        if mu > 0:
+            b = bucket.buffers["outer_momentum_buffer"]
+            b.mul_(mu).add_(delta)
+            delta.add_(b, alpha=mu)
+        theta.sub_(delta, alpha=self.outer_lr)  # (masked coordinates: their average is 0, so theta and b stay)
+        for p, view in zip(bucket.params, bucket.views["global_params"]):
+            p.copy_(view)
+
+    def _adopt(self, bucket: Bucket, index: int, newcomers: list[int]) -> None:
+        super()._adopt(bucket, index, newcomers)
+        bucket.views["global_params"][index].copy_(bucket.params[index].detach())
+
+    def _synchronize(self) -> None:
+        """Between outer steps: the exact float32 mean over ranks of the parameters and the inner
+        moments (the global parameters and outer momentum are the same on every rank already)."""
+        if self.replicas_identical:
+            return
+        for bucket in self._buckets:
+            flat = bucket.scratch("delta")
+            for view, p in zip(bucket.view(flat), bucket.params):
+                view.copy_(p)
+            self._backend.inner.all_reduce_mean_(flat)  # (outside any step: not in comm_stats())
+            for p, view in zip(bucket.params, bucket.view(flat)):
+                p.copy_(view)
+            self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg"])
+            self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg_sq"])
+        self._synced_at = self._step
+        if self._speaks:
+            logger.info("onebit: synchronize() after step %d: parameters and inner moments averaged over %d ranks",
+                        self._step, self._backend.world_size)
+
+    def _check_same_start(self) -> None:
+        """The first outer step: every rank must have started from the same global parameters."""
+        digest = hashlib.sha256()
+        for bucket in self._buckets:
+            digest.update(bucket.buffers["global_params"].detach().cpu().numpy().tobytes())
+        differ = ranks_differing(self._backend.inner, digest.digest(), self._device())
+        if differ:
+            raise RuntimeError(
+                f"OnebitDiLoCo: ranks {differ} started from other parameters than rank 0 (the global parameters "
+                "are the parameters at construction): build the model with the same seed on every rank, or "
+                "broadcast rank 0's parameters (e.g. wrap the model in DDP) before building the optimizer")
+        self._start_checked = True
+
+
+def _check_outer(sync_every: Any, outer_lr: Any, outer_momentum: Any, saved: bool = False) -> None:
+    where = " in the checkpoint" if saved else ""
+    if not is_int(sync_every, 1):
+        raise ValueError(f"sync_every must be an int >= 1 (the steps between outer steps){where}, got {sync_every!r}")
+    check_number("outer_lr", outer_lr, low=0.0)
+    if not outer_lr > 0:
+        raise ValueError(f"outer_lr must be > 0{where}, got {outer_lr!r}")
+    check_number("outer_momentum", outer_momentum, low=0.0, high=1.0, high_open=True)

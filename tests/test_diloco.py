@@ -1,0 +1,192 @@
+"""OnebitDiLoCo (the local-step mode, issue 41) against its oracles.
+
+Inner steps are torch's AdamW, bit for bit (one process). On 2 and 3 gloo ranks, each training on
+its own data, every rank's parameters after every step equal a single-process simulation written
+from the maths: per rank a torch AdamW, and every ``sync_every``-th step the pseudo-gradients
+``global - params`` averaged by :func:`onebit.testing.simulate_compressed_allreduce` (one segment
+per tensor, the errors carried from one outer step to the next) and a Nesterov step of torch's SGD
+on the global parameters. The ranks agree bit for bit after every outer step and differ between.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import onebit
+from distributed import run_ranks
+from onebit import OnebitDiLoCo
+from onebit.testing import simulate_compressed_allreduce
+
+H = 3
+STEPS = 8
+LR = 1e-2
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _backward(model: torch.nn.Module, rank: int, t: int) -> None:
+    x, y = _batch(rank, t)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def test_inner_steps_are_torch_adamw():
+    """Between outer steps: torch.optim.AdamW's numbers exactly, with a parameter that has no
+    gradient on one step (left alone, its own step count behind, as in torch); a second group
+    with another lr, no weight decay and no bias correction against the formula."""
+    model, twin = _model(), _model()
+    opt = OnebitDiLoCo([{"params": [model[0].weight, model[2].weight]},
+                        {"params": [model[0].bias, model[2].bias], "lr": 3e-3, "weight_decay": 0.0,
+                         "bias_correction": False}], lr=LR, sync_every=100, comm_backend_name="local")
+    reference = torch.optim.AdamW([twin[0].weight, twin[2].weight], lr=LR)
+    m = [torch.zeros_like(p) for p in (twin[0].bias, twin[2].bias)]
+    v = [torch.zeros_like(p) for p in (twin[0].bias, twin[2].bias)]
+    for t in range(1, 6):
+        for net in (model, twin):
+            net.zero_grad(set_to_none=True)
+            _backward(net, 0, t)
+            if t == 2:  # no gradient for one tensor of each group this step
+                net[2].weight.grad = net[2].bias.grad = None
+        opt.step()
+        reference.step()
+        with torch.no_grad():
+            for p, mi, vi in zip((twin[0].bias, twin[2].bias), m, v):
+                if p.grad is not None:
+                    mi.lerp_(p.grad, 0.1)
+                    vi.mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                    p.addcdiv_(mi, vi.sqrt().add_(1e-8), value=-3e-3)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b), (t, float((a - b).abs().max()))
+    assert opt.comm_stats()["inner"]["steps"] == 5 and opt.comm_stats()["inner"]["bytes_sent"] == 0
+    assert opt.state[model[2].weight]["inner_step"] == 4 and opt.state[model[0].weight]["inner_step"] == 5
+
+
+def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentum: float = 0.9) -> list[list]:
+    """Every rank's parameters after every step, from the maths (see the module docstring)."""
+    models = [_model() for _ in range(world_size)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    glob = _model()
+    outer = torch.optim.SGD(glob.parameters(), lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
+    numels = [p.numel() for p in glob.parameters()]
+    errors = (None, None)
+    out = []
+    for t in range(1, steps + 1):
+        for rank, (m, inner) in enumerate(zip(models, inners)):
+            m.zero_grad(set_to_none=True)
+            _backward(m, rank, t)
+            inner.step()
+        if t % H == 0:
+            deltas = [torch.cat([(g - p).detach().reshape(-1) for g, p in zip(glob.parameters(), m.parameters())])
+                      for m in models]
+            sim = simulate_compressed_allreduce(deltas, *errors, numels=numels)
+            errors = (sim.worker_errors, sim.server_errors)
+            for g, piece in zip(glob.parameters(), sim.output.split(numels)):
+                g.grad = piece.view_as(g).clone()
+            outer.step()
+            with torch.no_grad():
+                for m in models:
+                    for p, g in zip(m.parameters(), glob.parameters()):
+                        p.copy_(g)
+        out.append([[p.detach().clone() for p in m.parameters()] for m in models])
+    return out
+
+
+def _train_rank(rank: int, world_size: int) -> dict:
+    model = _model()
+    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, comm_backend_name="gloo")
+    trajectory, identical, sent = [], [], []
+    for t in range(1, STEPS + 1):
+        opt.zero_grad(set_to_none=True)
+        _backward(model, rank, t)
+        opt.step()
+        trajectory.append([p.detach().clone() for p in model.parameters()])
+        identical.append(opt.replicas_identical)
+        sent.append(opt.comm_stats()["last_step"]["bytes_sent"])
+    return {"trajectory": trajectory, "identical": identical, "sent": sent, "stats": opt.comm_stats()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rank_follows_the_simulation(tmp_path, world_size):
+    results = run_ranks(_train_rank, world_size, tmp_path)
+    expected = simulate(world_size)
+    for rank, result in enumerate(results):
+        for t, (mine, theirs) in enumerate(zip(result["trajectory"], expected), start=1):
+            for a, b in zip(mine, theirs[rank]):
+                # float32 rounding only (torch's AdamW and SGD against the engine's fused passes)
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"rank {rank} step {t}")
+    for t in range(1, STEPS + 1):
+        same = all(all(torch.equal(a, b) for a, b in zip(r["trajectory"][t - 1], results[0]["trajectory"][t - 1]))
+                   for r in results)
+        assert same == (t % H == 0), t  # bit-identical after every outer step, apart between
+        assert results[0]["identical"][t - 1] == (t % H == 0)
+    sent = results[0]["sent"]
+    # Inner steps send nothing (the first only the layout check's 8-byte all-gather).
+    assert sent[0] == 8 * (world_size - 1) and all((s > 0) == (t % H == 0) for t, s in enumerate(sent[1:], start=2)), sent
+    numel = sum(p.numel() for p in _model().parameters())
+    # A 1-bit all-reduce: about 2 (n - 1) / n bits per element (padding and scales on top).
+    assert max(sent) < numel * 2 * (world_size - 1) / world_size / 8 + 200
+    assert results[0]["stats"]["outer"]["steps"] == STEPS // H
+
+
+def test_simulation_can_fail():
+    """The oracle tells the outer rule apart: plain averaging (lr 1, no momentum) and DiLoCo's
+    published outer step move the parameters by far more than the tolerance of the comparison."""
+    a, b = simulate(2, steps=H), simulate(2, steps=H, outer_lr=1.0, momentum=0.0)
+    assert max(float((x - y).abs().max()) for x, y in zip(a[-1][0], b[-1][0])) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(sync_every=0), ValueError, r"sync_every must be an int >= 1 .*got 0"),
+    (dict(sync_every=2.0), ValueError, r"sync_every must be an int >= 1 .*got 2.0"),
+    (dict(outer_lr=0.0), ValueError, r"outer_lr must be > 0, got 0.0"),
+    (dict(outer_lr=-1), ValueError, r"invalid outer_lr: -1"),
+    (dict(outer_momentum=1.0), ValueError, r"invalid outer_momentum: 1.0; it must be finite and in \[0.0, 1.0\)"),
+    (dict(outer_momentum=-0.1), ValueError, r"invalid outer_momentum"),
+    (dict(overlap_backward=True), ValueError, r"overlap_backward=True\) is not supported"),
+    (dict(hierarchy=2), ValueError, r"hierarchy=2\) is not supported"),
+    (dict(freeze_step=10), TypeError, r"does not take freeze_step=10: OnebitDiLoCo has no full-precision warmup"),
+])
+def test_bad_input_is_refused(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        OnebitDiLoCo(_model().parameters(), comm_backend_name="local", **kwargs)
+
+
+def test_state_dict_round_trip_continues_bit_for_bit():
+    """A save and load mid-round (one process, the compression errors restored as an exact resume
+    does) continues exactly as the run without it; the schedule (sync_every, outer lr and
+    momentum) travels with the state."""
+    def run(reload_at: int | None) -> list[torch.Tensor]:
+        model = _model()
+        opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, comm_backend_name="local")
+        for t in range(1, STEPS + 1):
+            if t == reload_at:
+                state, errors = opt.state_dict(), [(w.clone(), s.clone()) for w, s in opt.compression_errors()]
+                values = [p.detach().clone() for p in model.parameters()]
+                model = _model(seed=5)
+                opt = OnebitDiLoCo(model.parameters(), sync_every=7, outer_lr=0.3, comm_backend_name="local")
+                with torch.no_grad():
+                    for p, q in zip(model.parameters(), values):
+                        p.copy_(q)
+                opt.restore(state, errors)
+                assert (opt.sync_every, opt.outer_lr, opt.outer_momentum) == (H, 0.7, 0.9)
+            opt.zero_grad(set_to_none=True)
+            _backward(model, 0, t)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    straight = run(None)
+    resumed = run(5)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_registered_for_configs():
+    assert onebit.OnebitOptimizer.registered()["OneBitDiLoCo"] is OnebitDiLoCo
