@@ -497,6 +497,38 @@ def test_pretrain_two_ranks_zerooneadam_local_steps_and_resume_between_syncs(tmp
     assert [r["loss"] for r in _records(resumed, "train")] == [r["loss"] for r in _records(full, "train")]
 
 
+@pytest.mark.slow
+def test_pretrain_two_ranks_diloco_counts_its_bits_and_resumes_between_outer_steps(tmp_path):
+    """OnebitDiLoCo (configs/diloco_gloo.json with sync_every 4) on 2 ranks: outer steps at 4 and 8,
+    inner steps send nothing; summary.json's bits_per_parameter_step is rank 0's bytes over the
+    run x 8 / (parameters x steps); a run stopped after step 6 (between outer steps, ranks apart)
+    resumes bit for bit through onebit.save_checkpoint's exact resume."""
+    common = [
+        "--config", str(EXAMPLE / "configs" / "diloco_gloo.json"), "--sync-every", "4", "--steps", "10",
+        "--corpus", "pydoc", "--limit-chars", "80000", "--vocab-size", "512", "--model", "micro", "--seq-len", "32",
+        "--batch-size", "8", "--lr-warmup", "2", "--eval-every", "5", "--log-every", "1", "--checkpoint-every", "3",
+        "--cache-dir", str(tmp_path / "cache"), "--no-progress",
+    ]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    bert_compare.launch([*common, "--out", str(full)], 2, full, timeout=RUN_TIMEOUT_S, quiet=True)
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["optimizer"] == "OnebitDiLoCo" and summary["freeze_step"] == 0
+    assert summary["plans"] == ["inner", "outer"] and summary["final_val_loss"] < summary["initial_val_loss"]
+    assert summary["replicas_identical"] is False  # step 10 is an inner step: the ranks differ
+    stats = summary["comm_stats"]
+    assert [stats[kind]["steps"] for kind in summary["plans"]] == [8, 2]
+    assert summary["bytes_sent"]["inner"] == 8  # the first step's layout check, nothing else
+    bits = sum(summary["bytes_sent"].values()) * 8 / (summary["num_params"] * 10)
+    assert summary["bits_per_parameter_step"] == bits and 0.1 < bits < 0.5  # ~1 bit per parameter, 2 of 10 steps
+
+    bert_compare.launch([*common, "--out", str(resumed), "--stop-at", "6"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
+    assert json.loads((resumed / "summary.json").read_text())["replicas_identical"] is False
+    bert_compare.launch([*common, "--out", str(resumed), "--resume"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
+    again = json.loads((resumed / "summary.json").read_text())
+    assert again["final_val_loss"] == summary["final_val_loss"] and again["status"] == "finished"
+    assert [r["loss"] for r in _records(resumed, "train")] == [r["loss"] for r in _records(full, "train")]
+
+
 def test_run_status_trusts_no_non_finite_final_loss():
     assert bert_compare.run_status({"final_val_loss": 5.0, "status": "finished"}) == ("finished", None)
     assert bert_compare.run_status({"final_val_loss": 5.0}) == ("finished", None)  # a summary from before `status`

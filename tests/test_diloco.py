@@ -188,5 +188,9 @@ def test_state_dict_round_trip_continues_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
 
 
-def test_registered_for_configs():
+def test_built_from_a_config():
     assert onebit.OnebitOptimizer.registered()["OneBitDiLoCo"] is OnebitDiLoCo
+    opt = onebit.from_config(_model().parameters(), {"optimizer": {"type": "OneBitDiLoCo", "params": {
+        "lr": 2e-3, "sync_every": 8, "outer_lr": 1.0, "outer_momentum": 0.0, "comm_backend_name": "local"}}})
+    assert isinstance(opt, OnebitDiLoCo)
+    assert (opt.sync_every, opt.outer_lr, opt.outer_momentum, opt.param_groups[0]["lr"]) == (8, 1.0, 0.0, 2e-3)

@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--var-freeze-step", type=int, default=None,
                    help="override the config's var_freeze_step (ZeroOneAdam)")
     p.add_argument("--lr", type=float, default=None, help="override the config's (peak) lr")
+    p.add_argument("--sync-every", type=int, default=None, help="override the config's sync_every (OneBitDiLoCo)")
+    p.add_argument("--outer-lr", type=float, default=None, help="override the config's outer_lr (OneBitDiLoCo)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="override the config's outer_momentum (OneBitDiLoCo)")
     p.add_argument("--comm-backend", default=None, help="override the config's comm_backend_name (gloo, nccl, mpi, ...)")
     p.add_argument("--lr-warmup", type=int, default=None, help="linear lr warmup steps (default: 5%% of --steps)")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of the peak lr")
@@ -132,7 +136,8 @@ def read_config(args: argparse.Namespace) -> dict:
     config = copy.deepcopy(config)
     params = config.setdefault("optimizer", {}).setdefault("params", {})
     for key, value in (("freeze_step", args.freeze_step), ("var_freeze_step", args.var_freeze_step), ("lr", args.lr),
-                       ("comm_backend_name", args.comm_backend)):
+                       ("comm_backend_name", args.comm_backend), ("sync_every", args.sync_every),
+                       ("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)):
         if value is not None:
             params[key] = value
     return config
@@ -337,7 +342,10 @@ def shard_model(model, masks: dict, world_size: int, shards: int, device: torch.
 
 def first_phase_steps(optimizer) -> int | str:
     """The length of the optimizer's first phase: ``freeze_step`` (1-bit Adam and LAMB: the
-    full-precision warmup) or ``var_freeze_step`` (0/1 Adam: until the variance is frozen)."""
+    full-precision warmup) or ``var_freeze_step`` (0/1 Adam: until the variance is frozen); DiLoCo
+    has none (0)."""
+    if isinstance(optimizer, onebit.OnebitDiLoCo):
+        return 0
     if isinstance(optimizer, onebit.ZeroOneAdam):
         return optimizer.var_freeze_step
     return "auto" if optimizer.freeze_step is None else optimizer.freeze_step  # 'auto' until it decides
@@ -623,6 +631,8 @@ def train(args: argparse.Namespace) -> dict:
                "backend": world.name, "num_params": num_params, "optimizer": type(optimizer).__name__,
                "freeze_step": first_phase_steps(optimizer), "plans": list(plans),
                "bytes_sent": bytes_sent(), "comm_stats": optimizer.comm_stats()}
+    # What rank 0 sent over the whole run (every phase), in bits per parameter per step.
+    summary["bits_per_parameter_step"] = sum(summary["bytes_sent"].values()) * 8 / (num_params * max(stop, 1))
     if stop == args.steps:
         summary["final_val_loss"] = validate(stop)
     # None when the run stopped early (--stop-at) and has no final loss.

@@ -35,6 +35,10 @@ The runs:
   ``"live"`` (each compression step's own trust ratio; the default since 2026-11-26) / ``"frozen"``
   (DeepSpeed's rule: the warmup ratios averaged, times the factor ``f``, with DeepSpeed's
   ``coeff_beta``, ``factor_*``);
+* ``diloco_h<H>`` (H in 4, 8, 16, 32, 64): ``OnebitDiLoCo``, ``configs/diloco_gloo.json`` (the
+  demo's AdamW inside, a plain average outside: ``outer_lr`` 1, ``outer_momentum`` 0) with
+  ``sync_every`` H; ``diloco_h<H>_nesterov``: DiLoCo's published outer step (lr 0.7, Nesterov 0.9);
+  all against ``demo_adam``;
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
@@ -62,6 +66,7 @@ DEEPSPEED_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.01, "comm_backend_name": "gl
 DEMO = json.loads((HERE / "configs" / "onebit_gloo.json").read_text())["optimizer"]["params"]
 LAMB = json.loads((HERE / "configs" / "onebit_lamb_gloo.json").read_text())["optimizer"]["params"]
 ZOADAM = json.loads((HERE / "configs" / "zoadam_gloo.json").read_text())["optimizer"]["params"]
+DILOCO = json.loads((HERE / "configs" / "diloco_gloo.json").read_text())["optimizer"]["params"]
 
 
 def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
@@ -83,6 +88,10 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         "zo_ds": (zo_ds, "demo_adam", "ZeroOneAdam"),
         "zo_ds16": ({**zo_ds, "var_update_scaler": 16}, "demo_adam", "ZeroOneAdam"),
     }
+    for h in (4, 8, 16, 32, 64):  # the local-step mode, against the demo's Adam
+        runs[f"diloco_h{h}"] = ({**DILOCO, "sync_every": h}, "demo_adam", "OneBitDiLoCo")
+        runs[f"diloco_h{h}_nesterov"] = ({**DILOCO, "sync_every": h, "outer_lr": 0.7, "outer_momentum": 0.9},
+                                         "demo_adam", "OneBitDiLoCo")
     for block in (128, 1024, 4096):
         for base in ("ds", "demo"):
             params, adam, kind = runs[f"{base}_onebit"]
@@ -113,7 +122,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 # The plans that send 1-bit: 1-bit Adam's and LAMB's, 0/1 Adam's (the KiB column averages over them).
-COMPRESSED_PLANS = ("compression", "compressed_gradient", "sync")
+COMPRESSED_PLANS = ("compression", "compressed_gradient", "sync", "outer")
 
 
 def summarize(name: str, run_dir: Path) -> dict:
@@ -135,6 +144,7 @@ def summarize(name: str, run_dir: Path) -> dict:
                                    if compression else None),
         "max_update_to_lr": max((r["update_to_lr"] for r in compression if r.get("update_to_lr") is not None),
                                 default=None),
+        "bits_per_parameter_step": summary.get("bits_per_parameter_step"),
         "wall_s": summary.get("wall_s"),
     }
 
@@ -213,11 +223,12 @@ def sweep(runs: dict[str, tuple[dict, str, str]], args: argparse.Namespace, out:
 
 
 def print_table(results: dict) -> None:
-    print("| run | final val loss | vs Adam | KiB / compression step | mean worker error norm "
+    print("| run | final val loss | vs Adam | bits / param / step | KiB / compression step | mean worker error norm "
           "| mean error/momentum (worst tensor) | largest step / lr | status | wall s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in results.values():
         print(f"| {r['name']} | {_fmt(r['final_val_loss'], '.4f')} | {_fmt(r['vs_adam'], '.4f')} "
+              f"| {_fmt(r.get('bits_per_parameter_step'), '.3g')} "
               f"| {_fmt(r['kib_per_compression_step'], ',.1f')} | {_fmt(r['mean_worker_error_norm'], '.4g')} "
               f"| {_fmt(r['mean_error_to_momentum'], '.3g')} | {_fmt(r.get('max_update_to_lr'), ',.0f')} "
               f"| {r['status']} | {_fmt(r['wall_s'], '.0f')} |")
