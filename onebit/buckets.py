@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .collectives import CompressionState
+from .collectives import AllreduceState, new_state
 from .compression import SegmentLayout
-from .hierarchy import Topology, TwoLevelState
+from .hierarchy import Topology
 from .kernels.reference import pack_signs
 from .shards import is_dtensor, local, local_value
 
@@ -103,11 +103,9 @@ class Bucket:
         self.derived = Derived()
         self.compressed: torch.Tensor | None = None  # the buffer of the last compressed step
         self.same_dtype = all(p.dtype == torch.float32 for p in self.params)
-        self.compression: CompressionState | TwoLevelState | None = None
-        if compress and topology is not None:
-            self.compression = TwoLevelState(self.padded, self.layout.edges, topology, self.device)
-        elif compress:
-            self.compression = CompressionState(self.padded, world_size, self.device, self.layout.edges)
+        self.compression: AllreduceState | None = None
+        if compress:
+            self.compression = new_state(self.padded, world_size, self.device, self.layout.edges, topology)
 
     def refresh(self) -> None:
         """Take the local shards of DTensor parameters afresh (FSDP re-points a shard's storage when
@@ -135,18 +133,17 @@ class Bucket:
     def hold(self, indices: Sequence[int], shared: Sequence[str] = ()) -> Held:
         """Copies of everything a step may change for the parameters ``indices``: the parameters,
         their state (buffers, and scalars other than ``shared``, which advance with the step on
-        every rank) and, with a flat compressed all-reduce, their segments' compression errors;
+        every rank) and their segments' compression errors (:meth:`AllreduceState.error_slices`);
         :meth:`Held.restore_` puts them back after the step."""
         targets = []
         for i in indices:
             targets.append(self.params[i])
             targets.extend(views[i] for views in self.views.values())
             targets.extend(values[i:i + 1] for name, values in self.scalars.items() if name not in shared)
-            if isinstance(self.compression, CompressionState):
-                n = self.compression.world_size
+            if self.compression is not None:
                 start = self.layout.starts[i]
                 end = self.layout.starts[i + 1] if i + 1 < len(self.params) else self.padded
-                targets += [self.compression.worker_error[start:end], self.compression.server_error[start // n:end // n]]
+                targets += self.compression.error_slices(start, end)
         return Held(self, [(target, target.clone()) for target in targets])
 
     def add_buffer(self, name: str) -> None:

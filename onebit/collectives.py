@@ -15,7 +15,9 @@ their scales; every rank decodes the same bytes, so the output is bit-identical 
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,47 +25,39 @@ from .backends.base import COMPLETED, CommBackend, Pending
 from .compression import chunk_bytes, padded_length, read_scales, row_bytes, write_scale_
 from .kernels import REFERENCE, KernelSet
 
-__all__ = ["CompressionState", "compressed_allreduce_", "start_worker_", "start_server_", "finish_"]
+__all__ = ["AllreduceState", "CompressionState", "new_state", "compressed_allreduce_", "start_worker_", "start_server_",
+           "finish_"]
 
 
-class CompressionState:
-    """Persistent per-buffer state of the compressed all-reduce on one rank.
+class AllreduceState(abc.ABC):
+    """The protocol of a compressed all-reduce's state: what one rank keeps of one buffer's
+    all-reduce between calls (error feedbacks, wire buffers, the collective in flight) and the
+    codec work of each stage on it. Each topology subclasses it in a file of its own: flat,
+    :class:`CompressionState`; two-level, :class:`onebit.hierarchy.TwoLevelState`. The engine and
+    the optimizers use only what is declared here, so a new topology touches its own file.
 
-    Holds the worker error (``padded`` elements), the server error (``padded / n``), the segment
-    table and the wire buffers, allocated once. ``edges`` are the segment boundaries
-    ``[0, o_1, ..., padded]`` (default: one segment), each segment a multiple of ``8 n`` long
-    (:class:`onebit.compression.SegmentLayout` gives them; for one segment ``padded`` must follow
-    :func:`onebit.compression.padded_length`).
+    :func:`start_worker_` → :func:`start_server_` → :func:`finish_` run the stages: they keep
+    ``stage`` and ``pending``, wait for the previous stage's collective, raise on a stage out of
+    order (nothing changed then), and multiply the input where the codec cannot
+    (``fuses_multipliers``). A subclass only does each stage's own work, in :meth:`start_worker`,
+    :meth:`start_server` and :meth:`finish`, and allocates ``worker_error`` and ``server_error``
+    (what :meth:`onebit.OnebitOptimizer.compression_errors` returns) in its ``__init__`` after
+    calling this one. The stages of every rank start the same collectives in the same order.
     """
 
-    def __init__(self, padded: int, world_size: int, device: torch.device | str,
-                 edges: Sequence[int] | None = None) -> None:
-        n = world_size
-        if edges is None:
-            if padded != padded_length(padded, world_size):
-                raise ValueError(
-                    f"buffer length {padded} is not padded for world size {world_size}; "
-                    f"use onebit.compression.padded_length (here {padded_length(padded, world_size)})"
-                )
-            edges = [0, padded]
-        edges = [int(e) for e in edges]
-        if (len(edges) < 2 or edges[0] != 0 or edges[-1] != padded
-                or any(b <= a or (b - a) % (8 * n) for a, b in zip(edges[:-1], edges[1:]))):
-            raise ValueError(
-                f"segment edges must run from 0 to {padded} in steps that are positive multiples of {8 * n} "
-                "(use onebit.compression.SegmentLayout)"
-            )
-        self.padded = padded
-        self.world_size = n
-        self.segments = len(edges) - 1
-        self.bounds = torch.tensor(edges, dtype=torch.int64)  # the kernels' segment table (host)
-        row = row_bytes(padded, n, self.segments)
-        self.worker_error = torch.zeros(padded, dtype=torch.float32, device=device)
-        self.server_error = torch.zeros(padded // n, dtype=torch.float32, device=device)
-        self.send = torch.zeros(n, row, dtype=torch.uint8, device=device)
-        self.recv = torch.zeros(n, row, dtype=torch.uint8, device=device)
-        self.gather_in = torch.zeros(row, dtype=torch.uint8, device=device)
-        self.gather_out = torch.zeros(n, row, dtype=torch.uint8, device=device)
+    #: whether :meth:`start_worker` and :meth:`finish` take ``multiplier`` (and ``limit``) into
+    #: the codec's pass when the kernels can; else the stage functions multiply in a pass of their own
+    fuses_multipliers = False
+
+    worker_error: torch.Tensor
+    server_error: torch.Tensor
+
+    def __init__(self, padded: int, world_size: int, edges: Sequence[int]) -> None:
+        self.padded = padded  # the buffer's length
+        self.world_size = world_size
+        self.edges = tuple(int(e) for e in edges)  # the segment boundaries [0, ..., padded]
+        self.segments = len(self.edges) - 1
+        self.bounds = torch.tensor(self.edges, dtype=torch.int64)  # the kernels' segment table (host)
         self.pending: Pending = COMPLETED  # the collective of the stage in progress
         self.stage = 0  # the last stage started: 0 none (or finished), 1 worker, 2 server
         # Staged stages (overlap_backward) write their new errors here, leaving the errors as they
@@ -75,10 +69,65 @@ class CompressionState:
         # the first such stage; see start_worker_).
         self.scaled_input: torch.Tensor | None = None
 
+    # ----------------------------------------------------------------- the stages' own work
+
+    def check(self, buffer: torch.Tensor, backend: CommBackend | None, staged: bool) -> None:
+        """Raise ``ValueError`` when stage 1 cannot run on ``buffer`` (before anything changes)."""
+        if buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.numel() != self.padded:
+            raise ValueError(
+                f"buffer must be a flat float32 tensor of {self.padded} elements, got "
+                f"{buffer.dtype} of shape {tuple(buffer.shape)}"
+            )
+
+    @abc.abstractmethod
+    def start_worker(self, buffer: torch.Tensor, backend: CommBackend | None, kernels: KernelSet, staged: bool,
+                     codec: dict[str, Any]) -> Pending:
+        """Stage 1: compress ``buffer`` (checked) with the worker error and start the first
+        collective; return its handle. ``codec``: keywords for the worker kernel (``multiplier``,
+        ``limit``), only when ``fuses_multipliers``. ``staged``: new errors go to
+        :meth:`staged_error`'s buffers (a state that cannot stage refuses it in :meth:`check`)."""
+
+    @abc.abstractmethod
+    def start_server(self, backend: CommBackend | None, kernels: KernelSet, staged: bool) -> Pending:
+        """Stage 2, once stage 1's collective is complete: recompress with the server error(s)
+        and start the last collective; return its handle."""
+
+    @abc.abstractmethod
+    def finish(self, buffer: torch.Tensor, kernels: KernelSet, keep: torch.Tensor | None,
+               codec: dict[str, Any]) -> None:
+        """Stage 3, once stage 2's collective is complete: decode every rank's bytes into
+        ``buffer`` (``+0.0`` where the packed bits ``keep`` are clear; ``codec`` as above)."""
+
+    # ----------------------------------------------------------------- what the engine reads
+
+    @abc.abstractmethod
+    def error_slices(self, start: int, end: int) -> list[torch.Tensor]:
+        """The views of the errors that belong to the buffer's elements ``[start, end)`` (one
+        parameter's segments), which a step that leaves the parameter alone keeps as they are."""
+
+    def health_input(self, buffer: torch.Tensor, multiplier: torch.Tensor | None = None,
+                     bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """For the health check (:func:`onebit.health.error_ratio`): the worker error, what this
+        rank's stage 1 compressed (``buffer`` times ``multiplier``, clamped to ``bound``) and
+        their segments' sizes."""
+        compressed = buffer if multiplier is None else buffer * multiplier
+        return self.worker_error, compressed if bound is None else compressed.clamp(-bound, bound), self.sizes()
+
+    def sizes(self) -> list[int]:
+        """The segments' lengths in the buffer."""
+        return [b - a for a, b in zip(self.edges[:-1], self.edges[1:])]
+
+    def layout_key(self) -> list[tuple[Any, ...]]:
+        """What the layout digest (:mod:`onebit.layout`) adds for this topology: ``[]`` (so the
+        digests of flat layouts, saved in checkpoints, stay what they were)."""
+        return []
+
     def reset_errors_(self) -> None:
-        """Zero both error-feedback buffers (after a checkpoint load or a change of layout)."""
+        """Zero every error-feedback buffer (after a checkpoint load or a change of layout)."""
         self.worker_error.zero_()
         self.server_error.zero_()
+
+    # ----------------------------------------------------------------- staging (overlap_backward)
 
     def staged_error(self, which: str) -> torch.Tensor:
         """The buffer a staged ``'worker'`` or ``'server'`` stage writes its new error to."""
@@ -87,6 +136,17 @@ class CompressionState:
             setattr(self, name, torch.empty_like(getattr(self, f"{which}_error")))
         self.staged.add(which)
         return getattr(self, name)
+
+    def stage_errors(self, kernels: KernelSet, which: str, staged: bool) -> tuple[torch.Tensor, dict]:
+        """The error a stage reads and the keyword that sends the new one elsewhere when staged."""
+        error = getattr(self, f"{which}_error")
+        if not staged:
+            return error, {}
+        target = self.staged_error(which)
+        if kernels.separate_errors:
+            return error, {"error_out": target}
+        target.copy_(error)  # a kernel that updates in place: on a copy
+        return target, {}
 
     def commit_(self) -> None:
         """Adopt the errors of the staged stages (swapping buffers: the previous errors stay in
@@ -106,9 +166,94 @@ class CompressionState:
         self.staged = set()
 
 
+class CompressionState(AllreduceState):
+    """Persistent per-buffer state of the (flat) compressed all-reduce on one rank.
+
+    Holds the worker error (``padded`` elements), the server error (``padded / n``), the segment
+    table and the wire buffers, allocated once. ``edges`` are the segment boundaries
+    ``[0, o_1, ..., padded]`` (default: one segment), each segment a multiple of ``8 n`` long
+    (:class:`onebit.compression.SegmentLayout` gives them; for one segment ``padded`` must follow
+    :func:`onebit.compression.padded_length`).
+    """
+
+    fuses_multipliers = True
+
+    def __init__(self, padded: int, world_size: int, device: torch.device | str,
+                 edges: Sequence[int] | None = None) -> None:
+        n = world_size
+        if edges is None:
+            if padded != padded_length(padded, world_size):
+                raise ValueError(
+                    f"buffer length {padded} is not padded for world size {world_size}; "
+                    f"use onebit.compression.padded_length (here {padded_length(padded, world_size)})"
+                )
+            edges = [0, padded]
+        edges = [int(e) for e in edges]
+        if (len(edges) < 2 or edges[0] != 0 or edges[-1] != padded
+                or any(b <= a or (b - a) % (8 * n) for a, b in zip(edges[:-1], edges[1:]))):
+            raise ValueError(
+                f"segment edges must run from 0 to {padded} in steps that are positive multiples of {8 * n} "
+                "(use onebit.compression.SegmentLayout)"
+            )
+        super().__init__(padded, n, edges)
+        row = row_bytes(padded, n, self.segments)
+        self.worker_error = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.server_error = torch.zeros(padded // n, dtype=torch.float32, device=device)
+        self.send = torch.zeros(n, row, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros(n, row, dtype=torch.uint8, device=device)
+        self.gather_in = torch.zeros(row, dtype=torch.uint8, device=device)
+        self.gather_out = torch.zeros(n, row, dtype=torch.uint8, device=device)
+
+    def check(self, buffer: torch.Tensor, backend: CommBackend | None, staged: bool) -> None:
+        n = backend.world_size
+        if n != self.world_size:
+            raise ValueError(f"state was built for world size {self.world_size}, backend has {n}")
+        super().check(buffer, backend, staged)
+
+    def start_worker(self, buffer: torch.Tensor, backend: CommBackend | None, kernels: KernelSet, staged: bool,
+                     codec: dict[str, Any]) -> Pending:
+        """Worker compression of the whole buffer into ``n`` rows; the all-to-all."""
+        signs = chunk_bytes(self.padded, self.world_size)
+        error, out = self.stage_errors(kernels, "worker", staged)
+        worker_scales = kernels.worker_compress_(buffer, error, self.send[:, :signs], bounds=self.bounds, **out, **codec)
+        write_scale_(self.send, worker_scales)
+        return backend.start_all_to_all(self.recv, self.send)
+
+    def start_server(self, backend: CommBackend | None, kernels: KernelSet, staged: bool) -> Pending:
+        """Server compression of this rank's chunk; the all-gather."""
+        signs = chunk_bytes(self.padded, self.world_size)
+        error, out = self.stage_errors(kernels, "server", staged)
+        server_scales = kernels.server_compress_(
+            self.recv[:, :signs], read_scales(self.recv, self.segments), error, self.gather_in[:signs],
+            bounds=self.bounds, **out,
+        )
+        write_scale_(self.gather_in.view(1, -1), server_scales)
+        return backend.start_all_gather(self.gather_out, self.gather_in)
+
+    def finish(self, buffer: torch.Tensor, kernels: KernelSet, keep: torch.Tensor | None,
+               codec: dict[str, Any]) -> None:
+        signs = chunk_bytes(self.padded, self.world_size)
+        kernels.decode_(self.gather_out[:, :signs], read_scales(self.gather_out, self.segments), buffer, keep,
+                        bounds=self.bounds, **codec)
+
+    def error_slices(self, start: int, end: int) -> list[torch.Tensor]:
+        n = self.world_size
+        return [self.worker_error[start:end], self.server_error[start // n:end // n]]
+
+
+def new_state(padded: int, world_size: int, device: torch.device | str, edges: Sequence[int],
+              topology: Any = None) -> AllreduceState:
+    """The state of a buffer's compressed all-reduce: flat without a ``topology``, else the
+    topology's own (``topology.new_state(padded, edges, device)``, e.g.
+    :class:`onebit.hierarchy.Topology`)."""
+    if topology is None:
+        return CompressionState(padded, world_size, device, edges)
+    return topology.new_state(padded, edges, device)
+
+
 def compressed_allreduce_(
     buffer: torch.Tensor,
-    state: CompressionState,
+    state: AllreduceState,
     backend: CommBackend,
     kernels: KernelSet = REFERENCE,
 ) -> torch.Tensor:
@@ -124,102 +269,61 @@ def compressed_allreduce_(
     return finish_(buffer, state, kernels)
 
 
-def start_worker_(buffer: torch.Tensor, state: CompressionState, backend: CommBackend, kernels: KernelSet,
+def start_worker_(buffer: torch.Tensor, state: AllreduceState, backend: CommBackend, kernels: KernelSet,
                   staged: bool = False, multiplier: torch.Tensor | None = None, bound: float | None = None) -> None:
     """Stage 1: compress ``buffer`` with the worker error and start the all-to-all of its signs.
     ``staged``: the new worker error goes to a buffer of its own, adopted by
-    :meth:`CompressionState.commit_` (or dropped by ``discard_``). ``multiplier``: compress
+    :meth:`AllreduceState.commit_` (or dropped by ``discard_``). ``multiplier``: compress
     ``buffer * multiplier`` instead (``buffer`` left as it is; in the codec's pass where the
     kernels can); ``bound`` (with ``multiplier``): ``buffer * multiplier`` clamped to
-    ``[-bound, bound]`` (in the same pass where the kernels can). (A two-level state,
-    :class:`onebit.hierarchy.TwoLevelState`, runs its own stages on its own groups, as do the two
-    functions below; not staged.)"""
-    scaled = {}
+    ``[-bound, bound]`` (in the same pass where the kernels can). (The state's topology does
+    the work of each stage, on its own groups: see :class:`AllreduceState`; a two-level state,
+    :class:`onebit.hierarchy.TwoLevelState`, is not staged.)"""
+    codec = {}
     if multiplier is not None:
         if _fuses(kernels, state) and (bound is None or kernels.limits):
-            scaled = {"multiplier": multiplier} if bound is None else {"multiplier": multiplier, "limit": bound}
+            codec = {"multiplier": multiplier} if bound is None else {"multiplier": multiplier, "limit": bound}
         else:  # a pass of its own, into a buffer the state keeps
             if state.scaled_input is None or state.scaled_input.shape != buffer.shape:
                 state.scaled_input = torch.empty_like(buffer)
             buffer = torch.mul(buffer, multiplier, out=state.scaled_input)
             if bound is not None:
                 buffer.clamp_(-bound, bound)
-    if not isinstance(state, CompressionState):
-        if staged:
-            raise ValueError("a two-level compressed all-reduce cannot be staged")
-        return state.start_worker_(buffer, kernels)
-    n = backend.world_size
-    if n != state.world_size:
-        raise ValueError(f"state was built for world size {state.world_size}, backend has {n}")
-    if buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.numel() != state.padded:
-        raise ValueError(
-            f"buffer must be a flat float32 tensor of {state.padded} elements, got "
-            f"{buffer.dtype} of shape {tuple(buffer.shape)}"
-        )
-    signs = chunk_bytes(state.padded, n)
-    error, out = _errors(kernels, state, "worker", staged)
-    worker_scales = kernels.worker_compress_(buffer, error, state.send[:, :signs], bounds=state.bounds, **out, **scaled)
-    write_scale_(state.send, worker_scales)
-    state.pending = backend.start_all_to_all(state.recv, state.send)
+    state.check(buffer, backend, staged)
+    state.pending = state.start_worker(buffer, backend, kernels, staged, codec)
     state.stage = 1
 
 
-def start_server_(state: CompressionState, backend: CommBackend, kernels: KernelSet, staged: bool = False) -> None:
+def start_server_(state: AllreduceState, backend: CommBackend, kernels: KernelSet, staged: bool = False) -> None:
     """Stage 2: once this rank's chunk has arrived, average and recompress it with the server
     error, and start the all-gather of the result (``staged``: as in :func:`start_worker_`)."""
     _expect_stage(state, 1, "start_server_", "start_worker_")
-    if not isinstance(state, CompressionState):
-        return state.start_server_(kernels)
     state.pending.wait()
-    signs = chunk_bytes(state.padded, state.world_size)
-    error, out = _errors(kernels, state, "server", staged)
-    server_scales = kernels.server_compress_(
-        state.recv[:, :signs], read_scales(state.recv, state.segments), error, state.gather_in[:signs],
-        bounds=state.bounds, **out,
-    )
-    write_scale_(state.gather_in.view(1, -1), server_scales)
-    state.pending = backend.start_all_gather(state.gather_out, state.gather_in)
+    state.pending = state.start_server(backend, kernels, staged)
     state.stage = 2
 
 
-def finish_(buffer: torch.Tensor, state: CompressionState, kernels: KernelSet,
+def finish_(buffer: torch.Tensor, state: AllreduceState, kernels: KernelSet,
             keep: torch.Tensor | None = None, multiplier: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 3: once every server chunk has arrived, decode them into ``buffer`` (``+0.0`` where
     the packed bits ``keep``, if given, are clear: see :func:`onebit.kernels.reference.decode_`),
     multiplied by ``multiplier`` if given (in the decode's pass where the kernels can)."""
     _expect_stage(state, 2, "finish_", "start_server_")
     fused = multiplier is not None and _fuses(kernels, state)
-    if not isinstance(state, CompressionState):
-        state.finish_(buffer, kernels, keep)
-    else:
-        state.pending.wait()
-        state.pending, state.stage = COMPLETED, 0
-        signs = chunk_bytes(state.padded, state.world_size)
-        kernels.decode_(state.gather_out[:, :signs], read_scales(state.gather_out, state.segments), buffer, keep,
-                        bounds=state.bounds, **({"multiplier": multiplier} if fused else {}))
+    state.pending.wait()
+    state.pending, state.stage = COMPLETED, 0
+    state.finish(buffer, kernels, keep, {"multiplier": multiplier} if fused else {})
     if multiplier is not None and not fused:  # a pass of its own (a kept +0.0 stays +0.0: multipliers are >= 0)
         buffer.mul_(multiplier)
     return buffer
 
 
-def _fuses(kernels: KernelSet, state: CompressionState) -> bool:
+def _fuses(kernels: KernelSet, state: AllreduceState) -> bool:
     """Whether the codec multiplies as it reads and writes (else a pass of its own does)."""
-    return kernels.multipliers and isinstance(state, CompressionState)
+    return kernels.multipliers and state.fuses_multipliers
 
 
-def _errors(kernels: KernelSet, state: CompressionState, which: str, staged: bool) -> tuple[torch.Tensor, dict]:
-    """The error a stage reads and the keyword that sends the new one elsewhere when staged."""
-    error = getattr(state, f"{which}_error")
-    if not staged:
-        return error, {}
-    target = state.staged_error(which)
-    if kernels.separate_errors:
-        return error, {"error_out": target}
-    target.copy_(error)  # a kernel that updates in place: on a copy
-    return target, {}
-
-
-def _expect_stage(state: CompressionState, stage: int, name: str, previous: str) -> None:
+def _expect_stage(state: AllreduceState, stage: int, name: str, previous: str) -> None:
     if state.stage != stage:
         done = {0: "no stage (or finish_)", 1: "start_worker_", 2: "start_server_"}[state.stage]
         raise RuntimeError(f"{name} called on a buffer whose last stage was {done}; call {previous} first")

@@ -25,8 +25,9 @@ rows. Two variants, both bit-identical on every rank (every rank decodes the sam
 2. worker compression of that mean into ``P`` rows (worker error ``M / L``); cross all-to-all;
 3. as above from the global server on.
 
-The stages are the flat algorithm's (``start_worker_``, ``start_server_``, ``finish_`` in
-:mod:`onebit.collectives` dispatch here), so buckets are pipelined the same way.
+The stages are the flat algorithm's (:class:`TwoLevelState` is an
+:class:`onebit.collectives.AllreduceState`, run by ``start_worker_``, ``start_server_`` and
+``finish_``), so buckets are pipelined the same way.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from typing import Any
 
 import torch
 
-from .backends.base import COMPLETED, CommBackend, Pending
+from .backends.base import CommBackend, Pending
+from .collectives import AllreduceState
 from .compression import chunk_bytes, read_scales, row_bytes, write_scale_
 from .kernels import KernelSet
 from .validation import check_choice, is_int
@@ -91,6 +93,10 @@ class Topology:
     intra: CommBackend
     cross: CommBackend
     variant: str
+
+    def new_state(self, padded: int, edges: Sequence[int], device: torch.device | str) -> TwoLevelState:
+        """The state of a buffer's all-reduce on this topology (see :func:`onebit.collectives.new_state`)."""
+        return TwoLevelState(padded, edges, self, device)
 
 
 def build_topology(backend: CommBackend, hierarchy: Any, variant: str) -> Topology | None:
@@ -163,22 +169,20 @@ def _to_rows_(source: torch.Tensor, rows: torch.Tensor, runs: list[tuple[int, in
         dst.copy_(src)
 
 
-class TwoLevelState:
+class TwoLevelState(AllreduceState):
     """Per-bucket state of the two-level compressed all-reduce on one rank: its error feedbacks,
-    wire buffers, and the collective in flight. ``worker_error`` and ``server_error`` are what
-    :meth:`onebit.OnebitOptimizer.compression_errors` returns (for ``"compressed"`` the server
-    error holds the node server's ``M / L`` elements followed by the global server's ``M / n``)."""
+    wire buffers, and the collective in flight (an :class:`onebit.collectives.AllreduceState`
+    whose stages run on the topology's own groups; not staged). ``worker_error`` and
+    ``server_error`` are what :meth:`onebit.OnebitOptimizer.compression_errors` returns (for
+    ``"compressed"`` the server error holds the node server's ``M / L`` elements followed by the
+    global server's ``M / n``)."""
 
     def __init__(self, padded: int, edges: Sequence[int], topology: Topology, device: torch.device | str) -> None:
         p, local = topology.nodes, topology.local
         n = p * local
+        super().__init__(padded, n, edges)
         self.topology = topology
         self.variant = topology.variant
-        self.padded = padded
-        self.world_size = n
-        self.segments = len(edges) - 1
-        self.bounds = torch.tensor(list(edges), dtype=torch.int64)
-        self.scaled_input: torch.Tensor | None = None  # (as CompressionState's)
         self.shard_bounds = torch.div(self.bounds, local, rounding_mode="floor")  # the shard's own segments
         self.runs = _runs(edges)
         shard = padded // local
@@ -203,26 +207,34 @@ class TwoLevelState:
         self.gather_in = torch.zeros(row, dtype=torch.uint8, device=device)
         self.cross_out = torch.zeros(p, row, dtype=torch.uint8, device=device)
         self.gathered = torch.zeros(local, p * row, dtype=torch.uint8, device=device)
-        self.pending: Pending = COMPLETED
-        self.stage = 0
 
-    @property
-    def compressed_input(self) -> torch.Tensor | None:
-        """What this rank's worker stage compressed last (``"node_mean"``: the node mean of its
-        shard), for the health check; ``None`` for ``"compressed"`` (the bucket's buffer)."""
-        return getattr(self, "node_mean", None)
+    def error_slices(self, start: int, end: int) -> list[torch.Tensor]:
+        """None: a step that leaves a parameter alone lets its two-level errors change (as it
+        always has; their shard and chunk layouts would give its slices)."""
+        return []
 
-    def reset_errors_(self) -> None:
-        self.worker_error.zero_()
-        self.server_error.zero_()
+    def health_input(self, buffer: torch.Tensor, multiplier: torch.Tensor | None = None,
+                     bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``"node_mean"``: the worker stage compressed the node mean of this rank's shard
+        (segments ``1/L`` long), not the bucket's buffer."""
+        if self.variant == "compressed":
+            return super().health_input(buffer, multiplier, bound)
+        return self.worker_error, self.node_mean, [size // self.topology.local for size in self.sizes()]
+
+    def layout_key(self) -> list[tuple[int, int, str]]:
+        """``[(nodes, local, variant)]``: the errors of another topology have other shapes."""
+        return [(self.topology.nodes, self.topology.local, self.variant)]
 
     # ----------------------------------------------------------------- the stages
 
-    def start_worker_(self, buffer: torch.Tensor, kernels: KernelSet) -> None:
+    def check(self, buffer: torch.Tensor, backend: CommBackend | None, staged: bool) -> None:
+        if staged:
+            raise ValueError("a two-level compressed all-reduce cannot be staged")
+        super().check(buffer, backend, staged)
+
+    def start_worker(self, buffer: torch.Tensor, backend: CommBackend | None, kernels: KernelSet, staged: bool,
+                     codec: dict[str, Any]) -> Pending:
         """Stage 1: the intra-node all-to-all (of 1-bit rows, or of float32 shards)."""
-        if buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.numel() != self.padded:
-            raise ValueError(f"buffer must be a flat float32 tensor of {self.padded} elements, got "
-                             f"{buffer.dtype} of shape {tuple(buffer.shape)}")
         intra = self.topology.intra
         if self.variant == "compressed":
             signs = chunk_bytes(self.padded, self.topology.local)
@@ -230,13 +242,11 @@ class TwoLevelState:
             write_scale_(self.intra_send, scales)
         else:
             _to_rows_(buffer, self.intra_send, self.runs, 1)
-        self.pending = intra.start_all_to_all(self.intra_recv, self.intra_send)
-        self.stage = 1
+        return intra.start_all_to_all(self.intra_recv, self.intra_send)
 
-    def start_server_(self, kernels: KernelSet) -> None:
+    def start_server(self, backend: CommBackend | None, kernels: KernelSet, staged: bool) -> Pending:
         """Stage 2: the node server (or the node mean and its worker compression), the cross
         all-to-all, then the global server and the cross all-gather."""
-        self.pending.wait()
         topo = self.topology
         signs = chunk_bytes(self.padded, self.world_size)
         if self.variant == "compressed":
@@ -258,16 +268,13 @@ class TwoLevelState:
             self.cross_recv[:, :signs], read_scales(self.cross_recv, self.segments), self.global_error,
             self.gather_in[:signs], bounds=self.shard_bounds)
         write_scale_(self.gather_in.view(1, -1), scales)
-        self.pending = topo.cross.start_all_gather(self.cross_out, self.gather_in)
-        self.stage = 2
+        return topo.cross.start_all_gather(self.cross_out, self.gather_in)
 
-    def finish_(self, buffer: torch.Tensor, kernels: KernelSet, keep: torch.Tensor | None) -> torch.Tensor:
+    def finish(self, buffer: torch.Tensor, kernels: KernelSet, keep: torch.Tensor | None,
+               codec: dict[str, Any]) -> None:
         """Stage 3: the intra-node all-gather of the node's ``P`` rows, then the decode of all
         ``n`` rows (row ``l P + p`` is sub-chunk ``p`` of shard ``l``: the flat scheme's chunk)."""
-        self.pending.wait()
-        self.pending, self.stage = COMPLETED, 0
         self.topology.intra.all_gather(self.gathered, self.cross_out.view(-1))
         rows = self.gathered.view(self.world_size, -1)
         signs = chunk_bytes(self.padded, self.world_size)
         kernels.decode_(rows[:, :signs], read_scales(rows, self.segments), buffer, keep, bounds=self.bounds)
-        return buffer

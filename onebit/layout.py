@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from .buckets import Bucket
-from .hierarchy import TwoLevelState
 from .shards import shard_signature
 
 __all__ = ["layout_digest", "check_layout", "ranks_differing"]
@@ -20,7 +19,7 @@ def layout_digest(buckets: list[Bucket]) -> str:
     two-level all-reduce's nodes, ranks per node and variant, whose errors have other shapes) does."""
     description = repr([(b.group_index, b.device.type, b.padded, b.compression is not None,
                          None if b.layout is None else b.layout.edges,
-                         [(tuple(p.shape), str(p.dtype)) for p in b.params], *_two_level(b), *_shards(b)) for b in buckets])
+                         [(tuple(p.shape), str(p.dtype)) for p in b.params], *_topology(b), *_shards(b)) for b in buckets])
     return hashlib.sha256(description.encode()).hexdigest()[:16]
 
 
@@ -30,13 +29,11 @@ def _shards(bucket: Bucket) -> list[list[tuple[Any, ...]]]:
     return [[shard_signature(p) for p in bucket.owners]] if bucket.sharded else []
 
 
-def _two_level(bucket: Bucket) -> list[tuple[int, int, str]]:
-    """``[(nodes, local, variant)]`` for a bucket with a two-level all-reduce, else ``[]`` (so the
+def _topology(bucket: Bucket) -> list[tuple[Any, ...]]:
+    """What the topology of the bucket's compressed all-reduce adds (:meth:`AllreduceState.layout_key`:
+    ``[(nodes, local, variant)]`` for a two-level one; ``[]`` for a flat one or none, so that the
     digests of flat layouts, saved in checkpoints, stay what they were)."""
-    if isinstance(bucket.compression, TwoLevelState):
-        topology = bucket.compression.topology
-        return [(topology.nodes, topology.local, topology.variant)]
-    return []
+    return [] if bucket.compression is None else bucket.compression.layout_key()
 
 
 def check_layout(buckets: list[Bucket], backend: Any) -> None:

@@ -430,14 +430,7 @@ def _error_ratio(bucket: Bucket, into: torch.Tensor | None = None, bound: float 
     """The health check's ratio for the buffer this rank's worker stage compressed: the bucket's
     (times ``into``, clamped to ``bound``: the errors are of that), or with a two-level
     ``"node_mean"`` all-reduce the node mean of its shard (segments ``1/L``)."""
-    edges = bucket.layout.edges
-    sizes = [b - a for a, b in zip(edges[:-1], edges[1:])]
-    state = bucket.compression
-    node_mean = getattr(state, "compressed_input", None)
-    if node_mean is None:
-        compressed = bucket.compressed if into is None else bucket.compressed * into
-        return error_ratio(state.worker_error, compressed if bound is None else compressed.clamp(-bound, bound), sizes)
-    return error_ratio(state.worker_error, node_mean, [size // state.topology.local for size in sizes])
+    return error_ratio(*bucket.compression.health_input(bucket.compressed, into, bound))
 
 
 class _Redo(Exception):

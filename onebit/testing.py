@@ -69,56 +69,79 @@ def simulate_compressed_allreduce(
     (or server) ``r``'s scale of each of the ``k`` segments.
     """
     n = len(inputs)
-    total = inputs[0].numel()
-    numels = [total] if numels is None else list(numels)
-    if sum(numels) != total:
-        raise ValueError(f"numels {numels} add up to {sum(numels)}, the inputs have {total} elements")
-    layout = SegmentLayout.build(numels, n, scale_block_size)
+    layout, numels, xs = _laid_out(inputs, numels, scale_block_size)
     padded, edges = layout.padded, layout.edges
     if worker_errors is None:
         worker_errors = [torch.zeros(padded) for _ in range(n)]
     if server_errors is None:
         server_errors = [torch.zeros(padded // n) for _ in range(n)]
-
-    xs = _padded_inputs(inputs, layout)
-
-    new_worker_errors = [torch.zeros(padded) for _ in range(n)]
-    worker_signs = [torch.zeros(padded) for _ in range(n)]
-    new_server_errors = [torch.zeros(padded // n) for _ in range(n)]
-    server_signs = torch.zeros(padded)
-    full = torch.zeros(padded)
     k = len(edges) - 1
-    worker_scales, server_scales = torch.zeros(n, k), torch.zeros(n, k)
-    for seg, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
-        for i in range(n):  # every rank as worker, on this segment alone
-            b = xs[i][lo:hi] + worker_errors[i][lo:hi].cpu()
-            s, q = _rms(b), _sign(b)
-            worker_scales[i, seg] = s
-            worker_signs[i][lo:hi] = q
-            new_worker_errors[i][lo:hi] = b - s * q
-        chunk = (hi - lo) // n
-        for j in range(n):  # server j: chunk j of this segment
-            part = slice(lo + j * chunk, lo + (j + 1) * chunk)
-            mine = slice(lo // n, lo // n + chunk)  # where that chunk lies in server j's buffer
-            total_j = worker_scales[0, seg] * worker_signs[0][part]
-            for i in range(1, n):
-                total_j = total_j + worker_scales[i, seg] * worker_signs[i][part]
-            c = total_j / n + server_errors[j][mine].cpu()
-            s, r = _rms(c), _sign(c)
-            server_scales[j, seg] = s
-            server_signs[part] = r
-            new_server_errors[j][mine] = c - s * r
-            full[part] = s * r
-    output = torch.cat([full[start:start + numel] for start, numel in zip(layout.starts, numels)])
-    return SimulationResult(
-        output=output,
-        worker_errors=new_worker_errors,
-        server_errors=new_server_errors,
-        worker_scales=worker_scales,
-        worker_signs=worker_signs,
-        server_scales=server_scales,
-        server_signs=server_signs,
+    result = SimulationResult(
+        output=torch.zeros(padded),  # the padded output until the end
+        worker_errors=[torch.zeros(padded) for _ in range(n)],
+        server_errors=[torch.zeros(padded // n) for _ in range(n)],
+        worker_scales=torch.zeros(n, k),
+        worker_signs=[torch.zeros(padded) for _ in range(n)],
+        server_scales=torch.zeros(n, k),
+        server_signs=torch.zeros(padded),
     )
+    for seg, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        _flat_workers(result, seg, lo, hi, xs, worker_errors)
+        _flat_servers(result, seg, lo, hi, server_errors)
+    result.output = _unpadded(result.output, layout, numels)
+    return result
+
+
+def _laid_out(inputs: list[torch.Tensor], numels: Sequence[int] | None,
+              scale_block_size: int | None) -> tuple[SegmentLayout, list[int], list[torch.Tensor]]:
+    """The segment layout of ``inputs`` (tensors of ``numels``, default one), the ``numels`` and
+    each rank's input in that layout."""
+    total = inputs[0].numel()
+    numels = [total] if numels is None else list(numels)
+    if sum(numels) != total:
+        raise ValueError(f"numels {numels} add up to {sum(numels)}, the inputs have {total} elements")
+    layout = SegmentLayout.build(numels, len(inputs), scale_block_size)
+    return layout, numels, _padded_inputs(inputs, layout)
+
+
+def _unpadded(full: torch.Tensor, layout: SegmentLayout, numels: list[int]) -> torch.Tensor:
+    return torch.cat([full[start:start + numel] for start, numel in zip(layout.starts, numels)])
+
+
+def _weighted_sum(terms: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``sum s * q`` over ``terms`` (scale, signs), added in their order."""
+    (s, q), *rest = terms
+    acc = s * q
+    for s, q in rest:
+        acc = acc + s * q
+    return acc
+
+
+def _flat_workers(result: SimulationResult, seg: int, lo: int, hi: int, xs: list[torch.Tensor],
+                  worker_errors: list[torch.Tensor]) -> None:
+    """Every rank as worker, on segment ``seg`` (``[lo, hi)``) alone."""
+    for i in range(len(xs)):
+        b = xs[i][lo:hi] + worker_errors[i][lo:hi].cpu()
+        s, q = _rms(b), _sign(b)
+        result.worker_scales[i, seg] = s
+        result.worker_signs[i][lo:hi] = q
+        result.worker_errors[i][lo:hi] = b - s * q
+
+
+def _flat_servers(result: SimulationResult, seg: int, lo: int, hi: int, server_errors: list[torch.Tensor]) -> None:
+    """Server ``j`` on chunk ``j`` of segment ``seg``, for every ``j``; the output's chunks."""
+    n = len(server_errors)
+    chunk = (hi - lo) // n
+    for j in range(n):
+        part = slice(lo + j * chunk, lo + (j + 1) * chunk)
+        mine = slice(lo // n, lo // n + chunk)  # where that chunk lies in server j's buffer
+        total_j = _weighted_sum([(result.worker_scales[i, seg], result.worker_signs[i][part]) for i in range(n)])
+        c = total_j / n + server_errors[j][mine].cpu()
+        s, r = _rms(c), _sign(c)
+        result.server_scales[j, seg] = s
+        result.server_signs[part] = r
+        result.server_errors[j][mine] = c - s * r
+        result.output[part] = s * r
 
 
 @dataclass
@@ -150,10 +173,7 @@ def simulate_hierarchical_allreduce(
     n = len(inputs)
     if local < 1 or n % local:
         raise ValueError(f"{n} inputs are not whole nodes of local={local}")
-    nodes = n // local
-    total = inputs[0].numel()
-    numels = [total] if numels is None else list(numels)
-    layout = SegmentLayout.build(numels, n, scale_block_size)
+    layout, numels, xs = _laid_out(inputs, numels, scale_block_size)
     padded, edges = layout.padded, layout.edges
     shard = padded // local
     compressed = variant == "compressed"
@@ -162,59 +182,92 @@ def simulate_hierarchical_allreduce(
         worker_errors = [torch.zeros(padded if compressed else shard) for _ in range(n)]
     if server_errors is None:
         server_errors = [torch.zeros(node_size + padded // n) for _ in range(n)]
-    xs = _padded_inputs(inputs, layout)
-    new_worker = [e.detach().cpu().clone() for e in worker_errors]
-    new_server = [e.detach().cpu().clone() for e in server_errors]
+    run = _TwoLevelRun(xs, worker_errors, server_errors, [e.detach().cpu().clone() for e in worker_errors],
+                       [e.detach().cpu().clone() for e in server_errors], local, n // local, node_size)
     full = torch.zeros(padded)
-
-    def rank(p: int, j: int) -> int:
-        return p * local + j
-
+    crossing = _compressed_crossing if compressed else _node_mean_crossing
     for lo, hi in zip(edges[:-1], edges[1:]):
-        w, u = (hi - lo) // local, (hi - lo) // n  # a shard's piece of the segment; a global chunk
-        node_lo, global_lo = lo // local, lo // n  # where this segment starts in a shard / a global chunk
-        # The values sent across nodes: (scale, signs) of rank (p, j) for its shard piece.
-        crossing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        if compressed:
-            worker = {}
-            for r in range(n):  # every rank compresses the whole segment
-                b = xs[r][lo:hi] + worker_errors[r][lo:hi].cpu()
-                s, q = _rms(b), _sign(b)
-                worker[r] = (s, q)
-                new_worker[r][lo:hi] = b - s * q
-            for p in range(nodes):
-                for j in range(local):  # node server of shard j
-                    piece = slice(j * w, (j + 1) * w)
-                    acc = worker[rank(p, 0)][0] * worker[rank(p, 0)][1][piece]
-                    for k in range(1, local):
-                        acc = acc + worker[rank(p, k)][0] * worker[rank(p, k)][1][piece]
-                    mine = slice(node_lo, node_lo + w)
-                    c = acc / local + server_errors[rank(p, j)][:node_size][mine].cpu()
-                    s, q = _rms(c), _sign(c)
-                    crossing[p, j] = (s, q)
-                    new_server[rank(p, j)][:node_size][mine] = c - s * q
-        else:
-            for p in range(nodes):
-                for j in range(local):  # the node mean of shard j, then its 1-bit compression
-                    piece = slice(lo + j * w, lo + (j + 1) * w)
-                    mean = xs[rank(p, 0)][piece]
-                    for k in range(1, local):
-                        mean = mean + xs[rank(p, k)][piece]
-                    mine = slice(node_lo, node_lo + w)
-                    b = mean / local + worker_errors[rank(p, j)][mine].cpu()
-                    s, q = _rms(b), _sign(b)
-                    crossing[p, j] = (s, q)
-                    new_worker[rank(p, j)][mine] = b - s * q
+        _global_servers(run, lo, hi, crossing(run, lo, hi), full)
+    return HierarchicalResult(output=_unpadded(full, layout, numels), worker_errors=run.new_worker,
+                              server_errors=run.new_server)
+
+
+@dataclass
+class _TwoLevelRun:
+    """One simulated call of the two-level scheme: the inputs, the errors before and after, the
+    shape of the nodes (``node_size``: the node server's part of a server error, 0 without one)."""
+
+    xs: list[torch.Tensor]
+    worker_errors: list[torch.Tensor]
+    server_errors: list[torch.Tensor]
+    new_worker: list[torch.Tensor]
+    new_server: list[torch.Tensor]
+    local: int
+    nodes: int
+    node_size: int
+
+    def rank(self, p: int, j: int) -> int:
+        return p * self.local + j
+
+
+# The values sent across nodes for a segment: (scale, signs) of rank (p, j) for its shard piece.
+_Crossing = dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _compressed_crossing(run: _TwoLevelRun, lo: int, hi: int) -> _Crossing:
+    """``"compressed"``: every rank compresses the whole segment; node server ``(p, j)``
+    averages and recompresses shard ``j``'s piece."""
+    local, rank = run.local, run.rank
+    w, node_lo = (hi - lo) // local, lo // local  # a shard's piece of the segment; where it starts in a shard
+    worker = {}
+    for r in range(len(run.xs)):
+        b = run.xs[r][lo:hi] + run.worker_errors[r][lo:hi].cpu()
+        s, q = _rms(b), _sign(b)
+        worker[r] = (s, q)
+        run.new_worker[r][lo:hi] = b - s * q
+    crossing: _Crossing = {}
+    for p in range(run.nodes):
         for j in range(local):
-            for p in range(nodes):  # global server of chunk p of shard j
-                sub = slice(p * u, (p + 1) * u)
-                acc = crossing[0, j][0] * crossing[0, j][1][sub]
-                for k in range(1, nodes):
-                    acc = acc + crossing[k, j][0] * crossing[k, j][1][sub]
-                mine = slice(node_size + global_lo, node_size + global_lo + u)
-                d = acc / nodes + server_errors[rank(p, j)][mine].cpu()
-                s, q = _rms(d), _sign(d)
-                new_server[rank(p, j)][mine] = d - s * q
-                full[lo + j * w + p * u:lo + j * w + (p + 1) * u] = s * q
-    output = torch.cat([full[start:start + numel] for start, numel in zip(layout.starts, numels)])
-    return HierarchicalResult(output=output, worker_errors=new_worker, server_errors=new_server)
+            piece = slice(j * w, (j + 1) * w)
+            acc = _weighted_sum([(worker[rank(p, k)][0], worker[rank(p, k)][1][piece]) for k in range(local)])
+            mine = slice(node_lo, node_lo + w)
+            c = acc / local + run.server_errors[rank(p, j)][:run.node_size][mine].cpu()
+            s, q = _rms(c), _sign(c)
+            crossing[p, j] = (s, q)
+            run.new_server[rank(p, j)][:run.node_size][mine] = c - s * q
+    return crossing
+
+
+def _node_mean_crossing(run: _TwoLevelRun, lo: int, hi: int) -> _Crossing:
+    """``"node_mean"``: the node mean of shard ``j``'s piece, then its 1-bit compression."""
+    local, rank = run.local, run.rank
+    w, node_lo = (hi - lo) // local, lo // local
+    crossing: _Crossing = {}
+    for p in range(run.nodes):
+        for j in range(local):
+            piece = slice(lo + j * w, lo + (j + 1) * w)
+            mean = run.xs[rank(p, 0)][piece]
+            for k in range(1, local):
+                mean = mean + run.xs[rank(p, k)][piece]
+            mine = slice(node_lo, node_lo + w)
+            b = mean / local + run.worker_errors[rank(p, j)][mine].cpu()
+            s, q = _rms(b), _sign(b)
+            crossing[p, j] = (s, q)
+            run.new_worker[rank(p, j)][mine] = b - s * q
+    return crossing
+
+
+def _global_servers(run: _TwoLevelRun, lo: int, hi: int, crossing: _Crossing, full: torch.Tensor) -> None:
+    """Global server ``(p, j)`` of chunk ``p`` of shard ``j``'s piece; the output's chunks."""
+    local, nodes, rank = run.local, run.nodes, run.rank
+    w, u = (hi - lo) // local, (hi - lo) // (nodes * local)  # a shard's piece of the segment; a global chunk
+    global_lo = lo // (nodes * local)  # where this segment starts in a global chunk
+    for j in range(local):
+        for p in range(nodes):
+            sub = slice(p * u, (p + 1) * u)
+            acc = _weighted_sum([(crossing[k, j][0], crossing[k, j][1][sub]) for k in range(nodes)])
+            mine = slice(run.node_size + global_lo, run.node_size + global_lo + u)
+            d = acc / nodes + run.server_errors[rank(p, j)][mine].cpu()
+            s, q = _rms(d), _sign(d)
+            run.new_server[rank(p, j)][mine] = d - s * q
+            full[lo + j * w + p * u:lo + j * w + (p + 1) * u] = s * q

@@ -17,7 +17,8 @@ import torch
 from conftest import bit_equal
 from distributed import run_ranks
 from onebit.backends.torch_dist import TorchDistBackend
-from onebit.collectives import CompressionState, compressed_allreduce_
+from onebit.backends.base import COMPLETED
+from onebit.collectives import AllreduceState, CompressionState, compressed_allreduce_
 from onebit.compression import SegmentLayout, padded_length, row_bytes
 from onebit.kernels import REFERENCE, get_kernels
 from onebit.testing import simulate_compressed_allreduce
@@ -262,3 +263,58 @@ def test_pipeline_stages_out_of_order_raise_and_leave_the_errors_alone():
     expected = torch.arange(8, dtype=torch.float32)
     compressed_allreduce_(expected, CompressionState(8, 1, "cpu"), backend)
     assert torch.equal(buffer, expected)
+
+
+class _Exact(AllreduceState):
+    """A third topology in a few lines: one rank, full precision (its mean is its input)."""
+
+    def __init__(self, padded: int) -> None:
+        super().__init__(padded, 1, [0, padded])
+        self.worker_error, self.server_error = torch.zeros(padded), torch.zeros(padded)
+        self.sent = torch.zeros(padded)
+
+    def start_worker(self, buffer, backend, kernels, staged, codec):
+        self.sent.copy_(buffer)
+        return COMPLETED
+
+    def start_server(self, backend, kernels, staged):
+        return COMPLETED
+
+    def finish(self, buffer, kernels, keep, codec):
+        buffer.copy_(self.sent)
+
+    def error_slices(self, start, end):
+        return [self.worker_error[start:end]]
+
+
+class _ExactTopology:
+    def new_state(self, padded, edges, device):
+        return _Exact(padded)
+
+
+def test_a_topology_is_a_state_of_the_protocol_that_the_stages_drive():
+    from onebit.backends import LocalBackend
+    from onebit.collectives import finish_, new_state, start_server_, start_worker_
+
+    backend = LocalBackend()
+    state = new_state(16, 1, "cpu", [0, 16], _ExactTopology())
+    assert isinstance(state, _Exact) and state.sizes() == [16] and state.layout_key() == []
+    assert isinstance(new_state(16, 1, "cpu", [0, 16]), CompressionState)
+    buffer = torch.arange(16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="last stage was no stage .*; call start_worker_ first"):
+        start_server_(state, backend, REFERENCE)
+    with pytest.raises(ValueError, match="^buffer must be a flat float32 tensor of 16 elements, got torch.float64"):
+        start_worker_(buffer.double(), state, backend, REFERENCE)
+    assert state.stage == 0
+    assert torch.equal(compressed_allreduce_(buffer.clone(), state, backend), buffer)
+    # A state that does not fuse multipliers gets them in passes of their own, on both sides.
+    multiplier = torch.full((16,), 2.0)
+    start_worker_(buffer.clone(), state, backend, REFERENCE, multiplier=multiplier, bound=10.0)
+    assert torch.equal(state.sent, (buffer * 2).clamp(-10, 10))
+    start_server_(state, backend, REFERENCE)
+    out = finish_(torch.empty(16), state, REFERENCE, multiplier=multiplier)
+    assert torch.equal(out, (buffer * 2).clamp(-10, 10) * 2) and state.stage == 0
+    error, compressed, sizes = state.health_input(buffer, multiplier, 10.0)
+    assert error is state.worker_error and torch.equal(compressed, (buffer * 2).clamp(-10, 10)) and sizes == [16]
+    with pytest.raises(TypeError, match="abstract"):
+        type("Incomplete", (AllreduceState,), {})(16, 1, [0, 16])
