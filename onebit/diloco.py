@@ -15,7 +15,8 @@ from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .layout import ranks_differing
 from .plan import StepPlan
-from .validation import DEEPSPEED_COMMON_REFUSED, check_flag, check_number, is_int
+from .exact import ExactAverage
+from .validation import DEEPSPEED_COMMON_REFUSED, check_choice, check_flag, check_number, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ __all__ = ["OnebitDiLoCo", "INNER", "OUTER"]
 
 INNER = StepPlan("inner")  # an AdamW step on the local gradient; nothing is sent
 OUTER = StepPlan("outer", compress=True)  # the inner step, then the 1-bit average of the pseudo-gradient
+COMPRESSIONS = ("onebit", "none")
 
 
 class OnebitDiLoCo(OnebitOptimizer):
@@ -61,6 +63,9 @@ class OnebitDiLoCo(OnebitOptimizer):
         sync_every: ``H``, the steps between outer steps (an int >= 1).
         outer_lr: the outer learning rate (> 0).
         outer_momentum: the outer Nesterov momentum, in ``[0, 1)``; 0: plain SGD on the average.
+        compression: ``"onebit"`` (default): the error-compensated 1-bit all-reduce; ``"none"``:
+            the exact float32 mean (:class:`onebit.exact.ExactAverage`, 32x the bytes), the twin
+            to measure the bit against.
         bias_correction: the inner AdamW's bias correction (on by default, as in torch).
         **options: the keyword-only options of every onebit optimizer (transport, group, masks,
             buckets, scale blocks, non-finite gradients, divergence, kernels): see
@@ -92,10 +97,13 @@ class OnebitDiLoCo(OnebitOptimizer):
         sync_every: int = 16,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        compression: str = "onebit",
         bias_correction: bool = True,
         **options: Any,
     ) -> None:
         _check_outer(sync_every, outer_lr, outer_momentum)
+        check_choice("compression", compression, COMPRESSIONS)
+        self.compression = compression
         for name in ("overlap_backward", "hierarchy"):
             if options.get(name) not in (None, False):
                 raise ValueError(f"OnebitDiLoCo({name}={options[name]!r}) is not supported: its inner steps send "
@@ -108,6 +116,14 @@ class OnebitDiLoCo(OnebitOptimizer):
         for bucket in self._buckets:
             for view, p in zip(bucket.views["global_params"], bucket.params):
                 view.copy_(p.detach())
+
+    def _build_group_buckets(self, index: int) -> None:
+        super()._build_group_buckets(index)
+        if self.compression == "none":
+            for bucket in self._buckets:
+                if bucket.group_index == index and not isinstance(bucket.compression, ExactAverage):
+                    bucket.compression = ExactAverage(bucket.padded, self._backend.world_size, bucket.device,
+                                                      bucket.layout.edges)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:

@@ -69,7 +69,8 @@ def test_inner_steps_are_torch_adamw():
     assert opt.state[model[2].weight]["inner_step"] == 4 and opt.state[model[0].weight]["inner_step"] == 5
 
 
-def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentum: float = 0.9) -> list[list]:
+def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentum: float = 0.9,
+             compression: str = "onebit") -> list[list]:
     """Every rank's parameters after every step, from the maths (see the module docstring)."""
     models = [_model() for _ in range(world_size)]
     inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
@@ -86,9 +87,12 @@ def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentu
         if t % H == 0:
             deltas = [torch.cat([(g - p).detach().reshape(-1) for g, p in zip(glob.parameters(), m.parameters())])
                       for m in models]
-            sim = simulate_compressed_allreduce(deltas, *errors, numels=numels)
-            errors = (sim.worker_errors, sim.server_errors)
-            for g, piece in zip(glob.parameters(), sim.output.split(numels)):
+            if compression == "none":
+                average = torch.stack(deltas).sum(0) / world_size
+            else:
+                sim = simulate_compressed_allreduce(deltas, *errors, numels=numels)
+                errors, average = (sim.worker_errors, sim.server_errors), sim.output
+            for g, piece in zip(glob.parameters(), average.split(numels)):
                 g.grad = piece.view_as(g).clone()
             outer.step()
             with torch.no_grad():
@@ -99,9 +103,9 @@ def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentu
     return out
 
 
-def _train_rank(rank: int, world_size: int) -> dict:
+def _train_rank(rank: int, world_size: int, compression: str = "onebit") -> dict:
     model = _model()
-    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, comm_backend_name="gloo")
+    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, comm_backend_name="gloo", compression=compression)
     trajectory, identical, sent = [], [], []
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
@@ -113,10 +117,20 @@ def _train_rank(rank: int, world_size: int) -> dict:
     return {"trajectory": trajectory, "identical": identical, "sent": sent, "stats": opt.comm_stats()}
 
 
+def _both_rank(rank: int, world_size: int) -> dict:
+    return {compression: _train_rank(rank, world_size, compression) for compression in ("onebit", "none")}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["n2", "n3"])
+def ranks(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    """Every rank's runs with the 1-bit and the exact outer average (one spawn per world size)."""
+    return request.param, run_ranks(_both_rank, request.param, tmp_path_factory.mktemp("diloco"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_rank_follows_the_simulation(tmp_path, world_size):
-    results = run_ranks(_train_rank, world_size, tmp_path)
+def test_every_rank_follows_the_simulation(ranks):
+    world_size, both = ranks
+    results = [r["onebit"] for r in both]
     expected = simulate(world_size)
     for rank, result in enumerate(results):
         for t, (mine, theirs) in enumerate(zip(result["trajectory"], expected), start=1):
@@ -135,6 +149,22 @@ def test_every_rank_follows_the_simulation(tmp_path, world_size):
     # A 1-bit all-reduce: about 2 (n - 1) / n bits per element (padding and scales on top).
     assert max(sent) < numel * 2 * (world_size - 1) / world_size / 8 + 200
     assert results[0]["stats"]["outer"]["steps"] == STEPS // H
+
+
+@pytest.mark.slow
+def test_compression_none_averages_exactly(ranks):
+    """compression='none': the same steps with the exact float32 mean of the pseudo-gradients."""
+    world_size, both = ranks
+    expected = simulate(world_size, compression="none")
+    for rank, r in enumerate(both):
+        for t, (mine, theirs) in enumerate(zip(r["none"]["trajectory"], expected), start=1):
+            for a, b in zip(mine, theirs[rank]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"rank {rank} step {t}")
+    # A float32 all-reduce of the padded buffer per outer step (and the small finiteness flag).
+    exact = both[0]["none"]["stats"]["outer"]["bytes_sent"]
+    numel_padded = sum(-(-p.numel() // (8 * world_size)) * 8 * world_size for p in _model().parameters())
+    float32 = 2 * (world_size - 1) / world_size * 4 * numel_padded * (STEPS // H)
+    assert float32 <= exact <= float32 + 64 * (STEPS // H)
 
 
 def test_simulation_can_fail():
