@@ -224,3 +224,40 @@ def test_built_from_a_config():
         "lr": 2e-3, "sync_every": 8, "outer_lr": 1.0, "outer_momentum": 0.0, "comm_backend_name": "local"}}})
     assert isinstance(opt, OnebitDiLoCo)
     assert (opt.sync_every, opt.outer_lr, opt.outer_momentum, opt.param_groups[0]["lr"]) == (8, 1.0, 0.0, 2e-3)
+
+
+def _under_ddp(rank: int, world_size: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from onebit.integrations import attach_ddp
+
+    out = {}
+    for mode in ("plain", "ddp"):
+        model = _model()
+        opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, comm_backend_name="gloo")
+        net = model
+        if mode == "ddp":
+            net = DDP(model)
+            attach_ddp(net, opt)
+        trajectory, synced = [], []
+        for t in range(1, STEPS + 1):
+            opt.zero_grad(set_to_none=True)
+            x, y = _batch(rank, t)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            synced.append(getattr(net, "require_backward_grad_sync", None))
+            opt.step()
+            trajectory.append([p.detach().clone() for p in model.parameters()])
+        out[mode] = {"trajectory": trajectory, "synced": synced, "stats": opt.comm_stats()}
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_never_averages_gradients_and_changes_nothing(tmp_path):
+    """Under DDP with attach_ddp every rank trains alone between outer steps: DDP's gradient
+    synchronisation is off on every step, and the run equals the plain loop's bit for bit."""
+    results = run_ranks(_under_ddp, 2, tmp_path)
+    for r in results:
+        assert r["ddp"]["synced"] == [False] * STEPS
+        for mine, plain in zip(r["ddp"]["trajectory"], r["plain"]["trajectory"]):
+            assert all(torch.equal(a, b) for a, b in zip(mine, plain))
+        assert r["ddp"]["stats"]["outer"]["bytes_sent"] == r["plain"]["stats"]["outer"]["bytes_sent"]
