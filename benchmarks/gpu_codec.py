@@ -22,8 +22,9 @@ Timed with CUDA events, the median of ``--repeats`` runs after a warm one:
 * whether a CUDA graph captures the codec's three calls and replays them (onebit does not claim
   this: the optimizers refuse ``capturable``; recorded for later, never a failure).
 
-Writes ``gpu_codec.json`` (every number, the device and versions) and ``gpu_codec.md`` under
-``--out`` (default ``$OUT``, else ``runs/gpu_check``) and prints the tables.
+Writes ``gpu_codec.json`` (every number, the device and versions), ``gpu_codec.md`` (the tables,
+also printed) and ``gpu_codec_summary.txt`` (a few lines for the check's summary) under ``--out``
+(default ``$OUT``, else ``runs/gpu_check``).
 """
 
 from __future__ import annotations
@@ -242,6 +243,21 @@ def _markdown(env: dict, codec_rows: list[dict], step_rows: list[dict], backend:
     return lines
 
 
+def _summary(codec_rows: list[dict], step_rows: list[dict], backend: str, probe: str) -> list[str]:
+    """A few lines for the check's one-screen summary: the largest size, and the steps."""
+    largest = max(r["n"] for r in codec_rows)
+    lines = [f"codec, {largest:,} floats, ns/element (GB/s of fp32):"]
+    for (impl, segments) in sorted({(r["impl"], r["segments"]) for r in codec_rows if r["n"] == largest}):
+        cells = [f"{r['op']} {r['ns_per_element']:.3f} ({r['fp32_GB_per_s']:.0f})" for r in codec_rows
+                 if r["n"] == largest and (r["impl"], r["segments"]) == (impl, segments)]
+        lines.append(f"  {impl + (f' x{segments} segments' if segments > 1 else ''):22} " + ", ".join(cells))
+    lines.append(f"steps, {step_rows[0]['n']:,} parameters, one {backend} rank, median ms:")
+    for r in step_rows:
+        lines.append(f"  {r.get('median_ms', float('nan')):9.2f}  {r['case']}" + (f": {r['error']}" if "error" in r else ""))
+    lines.append(f"CUDA graph capture of the codec: {probe}")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M and 16M floats; a 16M-parameter step")
@@ -276,6 +292,7 @@ def main() -> int:
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_codec.md").write_text("\n".join(lines) + "\n")
+    (args.out / "gpu_codec_summary.txt").write_text("\n".join(_summary(codec_rows, step_rows, backend, probe)) + "\n")
     data = {"environment": env, "codec": codec_rows, "steps": step_rows, "process_group": backend,
             "graph_capture": probe, "seconds": round(time.perf_counter() - started, 1)}
     (args.out / "gpu_codec.json").write_text(json.dumps(data, indent=2) + "\n")

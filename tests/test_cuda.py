@@ -127,25 +127,33 @@ def test_cuda_steps_equal_reference_kernels_and_cpu_on_one_rank(cuda_kernels, on
     _assert_close(on_cuda, _train(cls, option_name, "cpu", "auto"), "CUDA vs CPU")
 
 
-def _two_ranks(rank: int, world_size: int, cls, option_name: str) -> dict:
-    """Each rank: the same steps on the shared GPU (CUDA kernels, reference kernels) and on the CPU."""
+TWO_RANK_CASES = [(cls, name) for cls in CLASSES for name in ("default", "overlap_backward")]
+
+
+def _two_ranks(rank: int, world_size: int) -> dict:
+    """Each rank, for every case: the same steps on the shared GPU (CUDA kernels, reference kernels)
+    and on the CPU. One launch for every case: starting the ranks is most of the time."""
     torch.cuda.set_device(0)
-    return {kind: _train(cls, option_name, device, kernels, rank)
-            for kind, device, kernels in (("cuda", "cuda", "cuda"), ("reference", "cuda", "reference"),
-                                          ("cpu", "cpu", "auto"))}
+    return {(cls.__name__, name): {kind: _train(cls, name, device, kernels, rank)
+                                   for kind, device, kernels in (("cuda", "cuda", "cuda"),
+                                                                 ("reference", "cuda", "reference"),
+                                                                 ("cpu", "cpu", "auto"))}
+            for cls, name in TWO_RANK_CASES}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("option_name", ["default", "overlap_backward"])
-@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
-def test_two_gloo_ranks_sharing_the_gpu_equal_reference_kernels_and_cpu(cuda_kernels, tmp_path, cls, option_name):
-    results = run_ranks(_two_ranks, 2, tmp_path, cls, option_name, timeout=240.0)
-    for rank, result in enumerate(results):
-        _assert_same_bits(result["cuda"], result["reference"], f"rank {rank}: CUDA kernels vs reference")
-        _assert_close(result["cuda"], result["cpu"], f"rank {rank}: CUDA vs CPU")
-    if results[0]["cuda"]["identical"]:  # (0/1 Adam's replicas differ between its syncs)
-        for a, b in zip(results[0]["cuda"]["params"], results[1]["cuda"]["params"]):
-            assert torch.equal(_bits(a), _bits(b)), "the ranks' parameters differ"
+def test_two_gloo_ranks_sharing_the_gpu_equal_reference_kernels_and_cpu(cuda_kernels, tmp_path):
+    results = run_ranks(_two_ranks, 2, tmp_path, timeout=240.0)
+    for cls, name in TWO_RANK_CASES:
+        case = f"{cls.__name__}, {name}"
+        for rank, result in enumerate(results):
+            got = result[(cls.__name__, name)]
+            _assert_same_bits(got["cuda"], got["reference"], f"{case}, rank {rank}: CUDA kernels vs reference")
+            _assert_close(got["cuda"], got["cpu"], f"{case}, rank {rank}: CUDA vs CPU")
+        first, second = (r[(cls.__name__, name)]["cuda"] for r in results)
+        if first["identical"]:  # (0/1 Adam's replicas differ between its syncs)
+            for a, b in zip(first["params"], second["params"]):
+                assert torch.equal(_bits(a), _bits(b)), f"{case}: the ranks' parameters differ"
 
 
 # ------------------------------------------------------------------------------------------------
