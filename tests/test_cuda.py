@@ -10,6 +10,9 @@ torch's streams. Skipped without a CUDA device; ``scripts/gpu_check.sh`` runs it
   within float tolerance (torch's CUDA and CPU arithmetic may round differently), through a
   single-rank gloo group here and through 2 gloo ranks sharing the one GPU. (NCCL needs a GPU
   per rank: 2 NCCL ranks on one GPU are not allowed, so the 2-rank run uses gloo.)
+* The stages of the compressed all-reduce, staged (new errors aside until ``commit_``) with the
+  CUDA kernels, which take no ``error_out=``, ``multiplier=`` nor ``limit=`` (the caller copies,
+  multiplies and clamps in passes of its own), equal the reference's fused calls bit for bit.
 * The codec launches on torch's current stream and, once it has seen a segment table, never waits
   for the device (``onebit/kernels/cuda.py`` says so): its calls return while the stream is still
   busy, with nothing torch would flag as a synchronization, and give the reference's results.
@@ -154,6 +157,46 @@ def test_two_gloo_ranks_sharing_the_gpu_equal_reference_kernels_and_cpu(cuda_ker
         if first["identical"]:  # (0/1 Adam's replicas differ between its syncs)
             for a, b in zip(first["params"], second["params"]):
                 assert torch.equal(_bits(a), _bits(b)), f"{case}: the ranks' parameters differ"
+
+
+def _staged_against_in_place(kernels, reference, device: str, scaled: bool) -> None:
+    """Three compressed all-reduces of one buffer over a segment table on one rank: ``kernels``
+    staged (new errors aside until ``commit_``), ``reference`` in place; equal bit for bit."""
+    from onebit.backends.local import LocalBackend
+    from onebit.collectives import CompressionState, finish_, start_server_, start_worker_
+
+    edges = [0, 8 * 5, 8 * 5 + 1024, 8 * 5 + 1024 + 8 * 777]
+    backend = LocalBackend()
+    staged, in_place = (CompressionState(edges[-1], 1, device, edges) for _ in range(2))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        x = torch.randn(edges[-1], generator=gen).to(device)
+        multiplier = torch.rand(edges[-1], generator=gen).to(device) if scaled else None
+        bound = 0.5 if scaled else None
+        expected = x.clone()
+        start_worker_(expected, in_place, backend, reference, multiplier=multiplier, bound=bound)
+        start_server_(in_place, backend, reference)
+        finish_(expected, in_place, reference, multiplier=multiplier)
+        errors = staged.worker_error.clone(), staged.server_error.clone()
+        got = x.clone()
+        start_worker_(got, staged, backend, kernels, staged=True, multiplier=multiplier, bound=bound)
+        start_server_(staged, backend, kernels, staged=True)
+        finish_(got, staged, kernels, multiplier=multiplier)
+        assert torch.equal(_bits(got), _bits(expected)), f"step {step}: output"
+        assert torch.equal(_bits(staged.worker_error), _bits(errors[0])), f"step {step}: worker error changed"
+        assert torch.equal(_bits(staged.server_error), _bits(errors[1])), f"step {step}: server error changed"
+        staged.commit_()
+        assert torch.equal(_bits(staged.worker_error), _bits(in_place.worker_error)), f"step {step}: worker error"
+        assert torch.equal(_bits(staged.server_error), _bits(in_place.server_error)), f"step {step}: server error"
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "multiplier_and_bound"])
+def test_staged_stages_with_cuda_kernels_equal_the_reference_in_place(cuda_kernels, scaled):
+    """What the CUDA kernels do not take, the caller does: ``error_out=`` (overlap_backward's staged
+    errors) as a copy of the error updated in place, ``multiplier=`` and ``limit=`` as passes of
+    their own; the results are the reference's fused ones, bit for bit."""
+    assert not cuda_kernels.separate_errors and not cuda_kernels.multipliers  # else this tests nothing new
+    _staged_against_in_place(cuda_kernels, REFERENCE, "cuda", scaled)
 
 
 # ------------------------------------------------------------------------------------------------
