@@ -117,12 +117,18 @@ def codec(impls: dict[str, KernelSet], sizes: list[int], repeats: int, device: s
             rows.append({"impl": "torch", "op": op, "n": n, "segments": 1, **_time(fn, repeats, device)})
         for name, impl in impls.items():
             for segments in (1, MANY_SEGMENTS) if name != "reference" and n >= 16 * MANY_SEGMENTS else (1,):
-                for op, fn in codec_cases(impl, n, segments, device).items():
-                    rows.append({"impl": name, "op": op, "n": n, "segments": segments, **_time(fn, repeats, device)})
+                try:
+                    for op, fn in codec_cases(impl, n, segments, device).items():
+                        row = {"impl": name, "op": op, "n": n, "segments": segments}
+                        rows.append(row)
+                        row.update(_time(fn, repeats, device))
+                except Exception as exc:  # noqa: BLE001 (recorded; the other cases still run)
+                    row["error"] = f"{type(exc).__name__}: {exc}"
                 _empty_cache(device)
     for row in rows:
-        row["ns_per_element"] = row["median_ms"] * 1e6 / row["n"]
-        row["fp32_GB_per_s"] = 4 * row["n"] / (row["median_ms"] * 1e-3) / 1e9
+        if "error" not in row:
+            row["ns_per_element"] = row["median_ms"] * 1e6 / row["n"]
+            row["fp32_GB_per_s"] = 4 * row["n"] / (row["median_ms"] * 1e-3) / 1e9
     return rows
 
 
@@ -230,6 +236,9 @@ def _markdown(env: dict, codec_rows: list[dict], step_rows: list[dict], backend:
              f"{env['date']}", "", "| impl | op | N | segments | median ms | ns/element | GB/s of fp32 |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in codec_rows:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['op']} | {r['n']:,} | {r['segments']} | failed: {r['error']} | | |")
+            continue
         lines.append(f"| {r['impl']} | {r['op']} | {r['n']:,} | {r['segments']} | {r['median_ms']:.3f} | "
                      f"{r['ns_per_element']:.4f} | {r['fp32_GB_per_s']:.0f} |")
     lines += ["", f"Steps on one tensor in one bucket, a single-rank {backend} group:", "",
@@ -248,8 +257,8 @@ def _summary(codec_rows: list[dict], step_rows: list[dict], backend: str, probe:
     largest = max(r["n"] for r in codec_rows)
     lines = [f"codec, {largest:,} floats, ns/element (GB/s of fp32):"]
     for (impl, segments) in sorted({(r["impl"], r["segments"]) for r in codec_rows if r["n"] == largest}):
-        cells = [f"{r['op']} {r['ns_per_element']:.3f} ({r['fp32_GB_per_s']:.0f})" for r in codec_rows
-                 if r["n"] == largest and (r["impl"], r["segments"]) == (impl, segments)]
+        cells = [f"{r['op']} failed" if "error" in r else f"{r['op']} {r['ns_per_element']:.3f} ({r['fp32_GB_per_s']:.0f})"
+                 for r in codec_rows if r["n"] == largest and (r["impl"], r["segments"]) == (impl, segments)]
         lines.append(f"  {impl + (f' x{segments} segments' if segments > 1 else ''):22} " + ", ".join(cells))
     lines.append(f"steps, {step_rows[0]['n']:,} parameters, one {backend} rank, median ms:")
     for r in step_rows:
@@ -296,7 +305,7 @@ def main() -> int:
     data = {"environment": env, "codec": codec_rows, "steps": step_rows, "process_group": backend,
             "graph_capture": probe, "seconds": round(time.perf_counter() - started, 1)}
     (args.out / "gpu_codec.json").write_text(json.dumps(data, indent=2) + "\n")
-    return 1 if any("error" in r for r in step_rows) else 0
+    return 1 if any("error" in r for r in codec_rows + step_rows) else 0
 
 
 if __name__ == "__main__":

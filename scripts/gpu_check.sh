@@ -49,6 +49,8 @@ fi
 
 OUT_DIR="${OUT:-$ROOT/runs/gpu_check}"
 mkdir -p "$OUT_DIR"
+# A previous run's results must not pass for this one's.
+rm -f "$OUT_DIR"/{env.txt,summary.txt,gpu_codec.json,gpu_codec.md,gpu_codec_summary.txt} "$OUT_DIR"/*.log "$OUT_DIR"/*.xml
 START=$SECONDS
 declare -a ROWS=()
 FAILED=0
@@ -104,9 +106,10 @@ if [ "$FAILED" -eq 0 ]; then
     else
         BENCH_ARGS=()
     fi
-    run benchmark 140 "$OUT_DIR/benchmark.log" "$PYTHON" benchmarks/gpu_codec.py --out "$OUT_DIR" "${BENCH_ARGS[@]}"
+    run benchmark 140 "$OUT_DIR/benchmark.log" "$PYTHON" benchmarks/gpu_codec.py --out "$OUT_DIR" \
+        ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 else
-    ROWS+=("(the preflight failed: the tests and the benchmark did not run)")
+    ROWS+=("(a step above failed: the tests and the benchmark did not run)")
 fi
 
 {
