@@ -19,6 +19,8 @@ order rotated by ``r``), so that a change of load on the machine hits every conf
   ``overlap_backward=True`` (communication started from gradient hooks during backward);
 * ``onebit_ddp_view_compression`` (optional): DDP with ``gradient_as_bucket_view=True`` +
   ``attach_ddp`` (the gradients live in DDP's buckets, so there is nothing to copy back);
+* ``diloco`` (optional): ``OnebitDiLoCo`` (``sync_every`` 4), timing an inner step
+  (``diloco_inner``: no communication) and an outer step (``diloco_outer``) per round;
 * ``zoadam_phase1``, ``zoadam_compressed_gradient``, ``zoadam_phase2``: ``ZeroOneAdam`` (0/1 Adam),
   each timing one or two kinds of step per round (``ZOADAM_PARTS``), recorded under their own
   names: ``zoadam_variance`` (full-precision gradient all-reduce) and, right after it,
@@ -59,7 +61,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from onebit import OnebitAdam, ZeroOneAdam
+from onebit import OnebitAdam, OnebitDiLoCo, ZeroOneAdam
 from onebit.estimate import measure_local_costs
 from onebit.integrations import attach_ddp
 
@@ -75,12 +77,16 @@ ZOADAM_PARTS = {
 }
 ZOADAM_CONFIGS = tuple(ZOADAM_PARTS)
 DEFAULT_CONFIGS += ZOADAM_CONFIGS
+#: OnebitDiLoCo (optional, sync_every 4): an inner step (no communication) and an outer step (the
+#: inner step and the 1-bit all-reduce of the pseudo-gradient), as ZeroOneAdam's parts are timed.
+LOCAL_STEP_PARTS = {"diloco": (("diloco_inner", "inner", "inner"), ("diloco_outer", "outer", "inner"))}
 # The same with overlap_backward=True (phase 2 starts nothing during backward: not repeated).
 for _name in ("zoadam_phase1", "zoadam_compressed_gradient"):
     ZOADAM_PARTS[_name + "_overlap"] = tuple((part + "_overlap", kind, before) for part, kind, before in ZOADAM_PARTS[_name])
 OVERLAP_CONFIGS = ("onebit_warmup_overlap", "onebit_compression_overlap", "zoadam_phase1_overlap",
                    "zoadam_compressed_gradient_overlap")
-ALL_CONFIGS = DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS + OVERLAP_CONFIGS + ("onebit_compression_momentum", "onebit_warmup_bf16")
+ALL_CONFIGS = (DEFAULT_CONFIGS + ONEBIT_DDP_CONFIGS + OVERLAP_CONFIGS + ("onebit_compression_momentum", "onebit_warmup_bf16")
+               + tuple(LOCAL_STEP_PARTS))
 COUNTER_FIELDS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
 
 
@@ -149,11 +155,11 @@ class Config:
     def __init__(self, name: str, args: argparse.Namespace, seed: int) -> None:
         self.name = name
         self.model = make_model(args.params, args.width, seed)
-        self.onebit = name.startswith(("onebit", "zoadam"))
+        self.onebit = name.startswith(("onebit", "zoadam", "diloco"))
         buckets = {} if args.bucket_size is None else {"bucket_size": args.bucket_size}
         self.forward = self.model
         # (record name, kind, kind before) of each step timed per round; kinds None: any step
-        self.parts = ZOADAM_PARTS.get(name, ((name, None, None),))
+        self.parts = ZOADAM_PARTS.get(name) or LOCAL_STEP_PARTS.get(name) or ((name, None, None),)
         self.last_kind: str | None = None
         self.untimed_steps = 0
         if name == "adam" or name.startswith("powersgd"):
@@ -183,6 +189,9 @@ class Config:
             self.optimizer = ZeroOneAdam(self.model.parameters(), lr=1e-5, comm_backend_name="gloo",
                                          kernels=args.kernels, overlap_backward=name.endswith("_overlap"), **buckets,
                                          **zoadam_schedule(name, args.warmup_steps + args.rounds))
+        elif name in LOCAL_STEP_PARTS:
+            self.optimizer = OnebitDiLoCo(self.model.parameters(), lr=1e-5, sync_every=4, comm_backend_name="gloo",
+                                          kernels=args.kernels, **buckets)
         else:
             raise ValueError(f"unknown configuration {name!r}; expected one of {', '.join(ALL_CONFIGS)}")
         self.records: dict[str, list[dict]] = {part: [] for part, _, _ in self.parts}

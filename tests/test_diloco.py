@@ -261,3 +261,24 @@ def test_ddp_never_averages_gradients_and_changes_nothing(tmp_path):
         for mine, plain in zip(r["ddp"]["trajectory"], r["plain"]["trajectory"]):
             assert all(torch.equal(a, b) for a, b in zip(mine, plain))
         assert r["ddp"]["stats"]["outer"]["bytes_sent"] == r["plain"]["stats"]["outer"]["bytes_sent"]
+
+
+@pytest.mark.slow
+def test_local_steps_benchmark_on_loopback(tmp_path):
+    """benchmarks/local_steps.py's smoke test (loopback, one round): it times DDP + Adam and both
+    kinds of OnebitDiLoCo step, and only the outer step sends."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "local_steps.py"
+    subprocess.run([sys.executable, str(script), "--loopback", "--rounds", "1", "--models", "8x1024",
+                    "--out-dir", str(tmp_path)], check=True, timeout=600, capture_output=True)
+    result = json.loads((tmp_path / "local_steps.json").read_text())
+    (run,) = result["runs"]
+    assert set(run["medians"]) == {"adam", "inner", "outer"} and all(v > 0 for v in run["medians"].values())
+    assert run["bytes_sent"]["inner"] == 0 and run["bytes_sent"]["outer"] > 0
+    assert [r["sync_every"] for r in run["rows"]] == [4, 8, 16, 32, 64, 128]
+    assert all(0 < r["utilisation"] <= 1.5 for r in run["rows"])
+    assert "| sync_every | average step | utilisation | vs DDP + Adam |" in (tmp_path / "local_steps.md").read_text()
