@@ -36,6 +36,16 @@ def all_equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def max_abs_diff(a, b) -> float:
+    """The largest ``|x - y|`` over two sequences paired element by element (``zip(strict=True)``)
+    of tensors, of floats, or of such sequences nested alike (a trajectory: per step, the tensors)."""
+    if isinstance(a, torch.Tensor):
+        return (a - b).abs().max().item()
+    if isinstance(a, (int, float)):
+        return abs(a - b)
+    return max(max_abs_diff(x, y) for x, y in zip(a, b, strict=True))
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The float32 bit patterns of ``t`` as int32."""
     return t.contiguous().view(torch.int32)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import all_equal, clone_params, short_schedules
+from conftest import all_equal, clone_params, short_schedules, tiny_mlp
 from onebit import OnebitAdam, OnebitOptimizer
 from onebit.validation import TORCH_FLAGS
 
@@ -69,8 +69,7 @@ def case(request) -> Case:
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return tiny_mlp(6, 16, 3, seed=seed)
 
 
 def _grads(model: torch.nn.Module, t: int) -> None:
