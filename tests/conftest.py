@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 
@@ -35,6 +36,16 @@ def all_equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def max_abs_diff(a, b) -> float:
+    """The largest ``|x - y|`` over two sequences paired element by element (``zip(strict=True)``)
+    of tensors, of floats, or of such sequences nested alike (a trajectory: per step, the tensors)."""
+    if isinstance(a, torch.Tensor):
+        return (a - b).abs().max().item()
+    if isinstance(a, (int, float)):
+        return abs(a - b)
+    return max(max_abs_diff(x, y) for x, y in zip(a, b, strict=True))
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The float32 bit patterns of ``t`` as int32."""
     return t.contiguous().view(torch.int32)
@@ -58,9 +69,11 @@ class LogMessages(logging.Handler):
 
 
 def short_schedules() -> dict:
-    """Per optimizer class, a schedule that runs every plan within 12 steps: 1-bit Adam and 1-bit
-    LAMB freeze after step 3; 0/1 Adam has variance steps 1, 2 and 4, compressed-gradient steps 3
-    and 5, then local steps and syncs (interval 2)."""
+    """The table of the optimizer family: per optimizer class, a schedule that runs every plan
+    within 12 steps. 1-bit Adam and 1-bit LAMB freeze after step 3; 0/1 Adam has variance steps 1
+    and 3, compressed-gradient steps 2, 4 and 5, syncs at 6 and 7, then a local step and a sync in
+    turn. The suites that check every optimizer iterate over it; ``test_contract`` fails when a
+    registered class is missing from it."""
     from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 
     return {
@@ -68,3 +81,12 @@ def short_schedules() -> dict:
         OnebitLamb: dict(freeze_step=3),
         ZeroOneAdam: dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
     }
+
+
+@pytest.fixture
+def fresh_optimizer_registry(monkeypatch):
+    """``OnebitOptimizer``'s registry of config types as it is, given back after the test: a class
+    that the test defines with a ``CONFIG_TYPE`` registers itself in a copy, forgotten afterwards."""
+    from onebit.engine import OnebitOptimizer
+
+    monkeypatch.setattr(OnebitOptimizer, "_REGISTRY", dict(OnebitOptimizer._REGISTRY))

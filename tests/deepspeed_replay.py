@@ -2,8 +2,8 @@
 
 That script records what DeepSpeed's own optimizer did on gloo ranks (its models, each rank's
 data, rank 0's parameters after every step); these helpers rebuild the model with the recorded
-initial weights, give a rank's gradient of a step, and measure how far a trajectory is from the
-recorded one.
+initial weights, give a rank's gradient of a step, train a rank on the recorded data, and
+measure how far a trajectory is from the recorded one.
 """
 
 from __future__ import annotations
@@ -62,6 +62,18 @@ def backward(model: torch.nn.Module, run: dict, step: int, rank: int, rounding: 
     if network is not model:
         for p, q in zip(model.parameters(), network.parameters()):
             p.grad = q.grad.float()
+
+
+def replay_trajectory(model: torch.nn.Module, optimizer, run: dict, steps: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank`` trains ``model`` on the run's data for ``steps`` steps (the gradient of
+    :func:`backward`, then ``optimizer.step()``); per parameter name, its values after every step,
+    stacked (as the file's ``trajectory``)."""
+    snapshots = []
+    for t in range(1, steps + 1):
+        backward(model, run, t, rank)
+        optimizer.step()
+        snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return {name: torch.stack([s[name] for s in snapshots]) for name in run["names"]}
 
 
 def relative_differences(trajectory: dict, reference: dict) -> list[float]:

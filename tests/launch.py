@@ -22,6 +22,14 @@ def mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+def torchrun() -> str:
+    """The torchrun beside this Python, else on PATH; without one, the test is skipped."""
+    found = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if found is None:
+        pytest.skip("torchrun is not on PATH")
+    return found
+
+
 def run_job(command: list[str], timeout: float, *, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
     """Run ``command`` (stdout and stderr together) and return it; fail the test after ``timeout`` s."""
     if shutil.which("timeout") is None:

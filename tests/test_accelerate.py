@@ -5,8 +5,6 @@ the same processes)."""
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,8 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from launch import run_job  # noqa: E402
+from conftest import max_abs_diff  # noqa: E402
+from launch import run_job, torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = 8 * 32 + 32 + 32 * 4 + 4  # the example's MLP
@@ -22,18 +21,11 @@ STEPS = 12
 
 
 def _run(tmp_path: Path, *flags: str) -> list[dict]:
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples/accelerate/train.py"),
+    cmd = [torchrun(), "--standalone", "--nproc-per-node", "2", str(ROOT / "examples/accelerate/train.py"),
            "--steps", str(STEPS), "--freeze-step", "4", "--reference", "--result", str(tmp_path / "result"), *flags]
     proc = run_job(cmd, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return [torch.load(tmp_path / f"result.rank{r}.pt") for r in range(2)]
-
-
-def _max_diff(a: list, b: list) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
 CASES = {
@@ -71,11 +63,11 @@ def test_accelerate_averages_once_and_tracks_the_plain_loop(tmp_path, case):
     # Replicas: bit-identical after every step that communicated (0/1 Adam's local steps differ).
     for step, plan in enumerate(plans):
         if plan != "local":
-            assert _max_diff(ranks[0]["trajectory"][step], ranks[1]["trajectory"][step]) == 0.0, (step, plan)
+            assert max_abs_diff(ranks[0]["trajectory"][step], ranks[1]["trajectory"][step]) == 0.0, (step, plan)
     # The oracle, bit for bit: DDP divides each gradient by 2 before summing and onebit after (both
     # exact for 2 ranks), and accelerate's bf16 autocast is the plain loop's torch.autocast.
     for rank in ranks:
-        diffs = [_max_diff(a, b) for a, b in zip(rank["trajectory"], rank["reference"])]
+        diffs = [max_abs_diff(a, b) for a, b in zip(rank["trajectory"], rank["reference"])]
         assert max(diffs) == 0.0, diffs
 
 

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from conftest import all_equal, clone_params
+from conftest import all_equal, clone_params, tiny_mlp
 from distributed import run_ranks
 from onebit import OnebitAdam, OnebitLamb, autofreeze, from_config
 
@@ -18,8 +18,7 @@ CLASSES = [OnebitAdam, OnebitLamb]
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return tiny_mlp(8, 32, 1, seed=seed)
 
 
 def _data(t: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import short_schedules
 from onebit import LocalBackend, OnebitAdam, OnebitLamb, OnebitOptimizer, ZeroOneAdam, from_config
 from onebit.backends.torch_dist import TorchDistBackend
 from onebit.config import config_keys, load_config, optimizer_kwargs
@@ -493,10 +494,9 @@ def test_backend_object_and_comm_backend_name_in_the_config_conflict():
         from_config(_params(), _section(comm_backend_name="gloo"), backend=LocalBackend())
 
 
-def test_a_new_optimizer_needs_no_edit_to_the_config_module(monkeypatch):
+def test_a_new_optimizer_needs_no_edit_to_the_config_module(fresh_optimizer_registry):
     """An optimizer defined outside the library: its CONFIG_TYPE makes it buildable from a config,
     and its refusals are read from the class (no edit to onebit/config.py)."""
-    monkeypatch.setattr(OnebitOptimizer, "_REGISTRY", dict(OnebitOptimizer._REGISTRY))  # forgotten after the test
 
     class ToyAdam(OnebitAdam):
         CONFIG_TYPE = "ToyAdam"
@@ -518,7 +518,7 @@ def test_a_new_optimizer_needs_no_edit_to_the_config_module(monkeypatch):
         from_config(_params(), {"optimizer": {"type": "Nope"}})
 
 
-@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb, ZeroOneAdam])
+@pytest.mark.parametrize("cls", list(short_schedules()))
 @pytest.mark.parametrize("key", ["max_grad_norm", "eps_inside_sqrt", "amsgrad"])
 def test_every_optimizer_refuses_what_deepspeed_ignored_with_the_reason(cls, key):
     """The constructor, not only config files: OnebitAdam(max_grad_norm=1.0) names the reason."""

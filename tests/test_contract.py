@@ -1,10 +1,12 @@
 """torch.optim's conventions, for every optimizer of the family (issue 24).
 
 Parametrized over :data:`OPTIMIZERS`, in the manner of torch's ``TestOptimRenewed`` over its
-``OptimizerInfo``s: an algorithm added to the list gets every check. Each case takes short
-schedules, so that a few steps run through every plan the algorithm has (1-bit Adam and LAMB:
-warmup, compression; 0/1 Adam: variance, compressed_gradient, local, sync), on one process (the
-``local`` transport runs the whole compressed all-reduce with its error feedback).
+``OptimizerInfo``s: the cases are built from one table, ``conftest.short_schedules()``, and an
+optimizer class registered (by its ``CONFIG_TYPE``) but missing from that table fails
+``test_every_registered_optimizer_is_in_the_table``; added there, it gets every check. Each case
+takes its short schedule, so that a few steps run through every plan the algorithm has (1-bit Adam
+and LAMB: warmup, compression; 0/1 Adam: variance, compressed_gradient, local, sync), on one
+process (the ``local`` transport runs the whole compressed all-reduce with its error feedback).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import all_equal, clone_params
-from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from conftest import all_equal, clone_params, short_schedules, tiny_mlp
+from onebit import OnebitAdam, OnebitOptimizer
 from onebit.validation import TORCH_FLAGS
 
 
@@ -40,28 +42,24 @@ class Case:
         return self.cls(params, lr=lr, comm_backend_name="local", **{**self.schedule, **self.extra, **kwargs})
 
 
-OPTIMIZERS = [
-    Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01)),
-    Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01)),
-    Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01, compression_space="preconditioned")),
-    Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01, compression_space="preconditioned")),
-    # freeze_step='auto' whose latest bound makes it freeze after step 3, as the cases above do
-    Case(OnebitAdam, dict(freeze_step="auto", freeze_bounds=(1, 3)), dict(weight_decay=0.01)),
-    Case(OnebitLamb, dict(freeze_step="auto", freeze_bounds=(1, 3)), dict(weight_decay=0.01)),
-    # variance 1-2, compressed_gradient 3, variance 4, then local / sync steps from step 6 (interval 2)
-    Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
-         dict(weight_decay=0.01)),
-    Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
-         dict(weight_decay=0.01, compression_space="preconditioned")),
-    # update_bound: m / d clamped before the 1-bit all-reduce (in the codec's worker pass)
-    Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01, update_bound=0.5)),
-    Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01, update_bound=0.5)),
+def _cases(cls: type, schedule: dict[str, Any]) -> list[Case]:
+    """Every case of one optimizer: its short schedule, in each compression space, with
+    ``overlap_backward``; 1-bit Adam and LAMB also with ``freeze_step='auto'`` and with an
+    ``update_bound`` (0/1 Adam bounds its steps by default)."""
+    base = dict(weight_decay=0.01)
+    cases = [Case(cls, schedule, base), Case(cls, schedule, {**base, "compression_space": "preconditioned"})]
+    if "freeze_step" in schedule:
+        # freeze_step='auto' whose latest bound makes it freeze when the schedule does
+        cases.append(Case(cls, dict(freeze_step="auto", freeze_bounds=(1, schedule["freeze_step"])), base))
+        # update_bound: m / d clamped before the 1-bit all-reduce (in the codec's worker pass)
+        cases.append(Case(cls, schedule, {**base, "update_bound": 0.5}))
     # overlap_backward: the communication starts from gradient hooks during backward
-    Case(OnebitAdam, dict(freeze_step=3), dict(weight_decay=0.01, overlap_backward=True)),
-    Case(OnebitLamb, dict(freeze_step=3), dict(weight_decay=0.01, overlap_backward=True)),
-    Case(ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
-         dict(weight_decay=0.01, overlap_backward=True)),
-]
+    cases.append(Case(cls, schedule, {**base, "overlap_backward": True}))
+    return cases
+
+
+SCHEDULES = short_schedules()
+OPTIMIZERS = [case for cls, schedule in SCHEDULES.items() for case in _cases(cls, schedule)]
 STEPS = 12
 
 
@@ -71,8 +69,7 @@ def case(request) -> Case:
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return tiny_mlp(6, 16, 3, seed=seed)
 
 
 def _grads(model: torch.nn.Module, t: int) -> None:
@@ -94,6 +91,22 @@ def _same_state(after: dict[str, Any], before: dict[str, Any]) -> bool:
     began, e.g. 0/1 Adam's accumulator)."""
     return before.keys() <= after.keys() and all(
         torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in before.items())
+
+
+def _unlisted() -> list[str]:
+    """The config names of the registered optimizer classes that the table leaves out."""
+    return [name for name, cls in OnebitOptimizer.registered().items() if cls not in SCHEDULES]
+
+
+def test_every_registered_optimizer_is_in_the_table():
+    assert _unlisted() == [], "add it to conftest.short_schedules(), and every contract check runs on it"
+
+
+def test_an_optimizer_left_out_of_the_table_is_named(fresh_optimizer_registry):
+    class ToyAdam(OnebitAdam):
+        CONFIG_TYPE = "ToyAdam"
+
+    assert _unlisted() == ["ToyAdam"]
 
 
 def test_the_schedules_run_through_every_plan(case):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import LogMessages, clone_params, short_schedules
+from conftest import LogMessages, clone_params, short_schedules, tiny_mlp
 from distributed import run_ranks
 from onebit.integrations import attach_ddp
 
@@ -24,8 +24,7 @@ STEPS = 12
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return tiny_mlp(6, 16, 3)
 
 
 def _batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:

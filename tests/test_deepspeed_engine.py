@@ -21,7 +21,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import tiny_mlp
+from conftest import max_abs_diff, tiny_mlp
 from distributed import run_ranks
 
 MICRO_BATCH = 4
@@ -246,10 +246,6 @@ def _grad_bytes() -> int:
     return sum(p.numel() for p in _model().parameters()) * 4
 
 
-def _max_diff(a: list, b: list) -> float:
-    return max((x - y).abs().max().item() for sa, sb in zip(a, b) for x, y in zip(sa, sb))
-
-
 def _clipped(case: str) -> bool:
     return "gradient_clipping" not in CASES[case][4]
 
@@ -312,7 +308,7 @@ def test_engine_follows_the_plain_loop_bit_for_bit(ranks, case):
     # 2 ranks: the engine sums and multiplies by 1/2, onebit sums and divides by 2: both exact, so
     # the trajectories are equal bit for bit, in every phase and with gradient accumulation.
     for rank in ranks:
-        assert _max_diff(rank[case]["engine"]["params"], rank[case]["plain"]["params"]) == 0.0
+        assert max_abs_diff(rank[case]["engine"]["params"], rank[case]["plain"]["params"]) == 0.0
         assert not rank[case]["engine"]["redone"]
 
 
@@ -321,7 +317,7 @@ def test_the_engine_autocast_is_in_effect(ranks):
     # the same batches as "adam" (accumulation 2): bfloat16 autocast moves the trajectory away from
     # float32, so the bit-for-bit match above is the engine's autocast meeting the plain loop's
     fp32, bf16 = ranks[0]["adam"]["engine"]["params"], ranks[0]["adam_autocast_bf16"]["engine"]["params"]
-    assert _max_diff(fp32[:4], bf16) > 1e-4
+    assert max_abs_diff(fp32[:4], bf16) > 1e-4
 
 
 @pytest.mark.slow
@@ -330,7 +326,7 @@ def test_loading_a_deepspeed_checkpoint_sets_the_engine_flag_from_the_restored_s
         run = rank["adam"]["engine"]
         assert run["reloaded"]["flags"] == [False, True]  # compression, then warmup again after step 1
         assert run["reloaded"]["step"] == 1
-        assert _max_diff([run["reloaded"]["params"]], run["params"][:1]) == 0.0
+        assert max_abs_diff([run["reloaded"]["params"]], run["params"][:1]) == 0.0
 
 
 @pytest.mark.slow
@@ -355,7 +351,7 @@ def test_deepspeed_default_clipping_is_announced_and_changes_the_trajectory(rank
             assert warnings == []
         assert ranks[1][case]["engine"]["warnings"] == []
     run, plain = ranks[0]["adam_clipped"]["engine"], ranks[0]["adam_clipped"]["plain"]
-    assert _max_diff(run["params"], plain["params"]) > 0.1  # measured 1.1 after 2 + 2 steps
+    assert max_abs_diff(run["params"], plain["params"]) > 0.1  # measured 1.1 after 2 + 2 steps
 
 
 @pytest.mark.slow

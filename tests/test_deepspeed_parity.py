@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_replay import (DATA_DIR, ROUNDINGS, backward, by_phase, load_model, reference_script,
-                              relative_differences)
+                              relative_differences, replay_trajectory)
 from distributed import run_ranks
 from onebit import OnebitAdam
 from onebit.testing import simulate_compressed_allreduce
@@ -69,12 +69,7 @@ def _train_rank(rank: int, world_size: int, bucket_size, group) -> dict:
     opt = OnebitAdam(model.parameters(), lr=HYPER["lr"], freeze_step=HYPER["freeze_step"], betas=HYPER["betas"],
                      eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], comm_backend_name="gloo", group=group,
                      compression_space="momentum", **kwargs)
-    snapshots = []
-    for t in range(1, HYPER["steps"] + 1):
-        backward(model, run, t, rank)
-        opt.step()
-        snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
-    trajectory = {name: torch.stack([s[name] for s in snapshots]) for name in run["names"]}
+    trajectory = replay_trajectory(model, opt, run, HYPER["steps"], rank)
     return {"trajectory": trajectory, "buckets": len(opt._buckets), "phase": opt.phase}
 
 

@@ -28,7 +28,7 @@ import torch
 
 import onebit
 from deepspeed_replay import (DATA_DIR, ROUNDINGS, backward, by_phase, load_model, reference_script,
-                              relative_differences)
+                              relative_differences, replay_trajectory)
 from distributed import run_ranks
 from onebit.testing import simulate_compressed_allreduce
 
@@ -60,12 +60,7 @@ def _train_rank(rank: int, world_size: int, case: str) -> dict:
                             betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
                             comm_backend_name="gloo", compression_space="momentum", trust_ratio="frozen",
                             **{k: HYPER[k] for k in LAMB_ARGUMENTS})
-    snapshots = []
-    for t in range(1, HYPER["steps"] + 1):
-        backward(model, run, t, rank)
-        opt.step()
-        snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
-    return {"trajectory": {name: torch.stack([s[name] for s in snapshots]) for name in run["names"]}}
+    return {"trajectory": replay_trajectory(model, opt, run, HYPER["steps"], rank)}
 
 
 def replay(world_size: int, case: str, tmp_path) -> list[dict]:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,16 +14,14 @@ pytestmark = pytest.mark.slow  # HF Trainer under torchrun
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from launch import torchrun  # noqa: E402
 from onebit.compression import padded_length  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_trainer_with_onebit_on_two_ranks(tmp_path):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples/hf_trainer/train.py"),
+    cmd = [torchrun(), "--standalone", "--nproc-per-node", "2", str(ROOT / "examples/hf_trainer/train.py"),
            "--steps", "12", "--freeze-step", "4", "--output-dir", str(tmp_path / "out"),
            "--result", str(tmp_path / "result")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

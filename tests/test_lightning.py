@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +26,8 @@ import torch
 
 pytest.importorskip("lightning")
 
-from conftest import seeded_params  # noqa: E402
-from launch import run_job  # noqa: E402
+from conftest import max_abs_diff, seeded_params  # noqa: E402
+from launch import run_job, torchrun  # noqa: E402
 from onebit import OnebitAdam  # noqa: E402
 from onebit.compression import padded_length  # noqa: E402
 
@@ -113,13 +112,6 @@ def _zo_checkpoint(out: Path) -> Path:
 
 # ----------------------------------------------------------------- the test side
 
-def _torchrun() -> str:
-    found = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if found is None:
-        pytest.skip("torchrun is not on PATH")
-    return found
-
-
 def _load(out: Path, name: str) -> list[dict]:
     return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
 
@@ -128,22 +120,18 @@ def _load(out: Path, name: str) -> list[dict]:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lightning")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    torchrun = [_torchrun(), "--standalone", "--nproc-per-node", "2"]
-    first = run_job([*torchrun, str(EXAMPLE), "--steps", str(STEPS), "--freeze-step", str(FREEZE), "--lr", str(LR),
+    launcher = [torchrun(), "--standalone", "--nproc-per-node", "2"]
+    first = run_job([*launcher, str(EXAMPLE), "--steps", str(STEPS), "--freeze-step", str(FREEZE), "--lr", str(LR),
                      "--checkpoint-dir", str(out / "ckpt"), "--save-every", str(SAVED_AT), "--exact-resume",
                      "--result", str(out / "adam")],
                     120, env=env, cwd=out)
     assert first.returncode == 0, first.stdout[-5000:]
     checkpoint = out / "ckpt" / f"epoch=0-step={SAVED_AT}.ckpt"
     assert checkpoint.exists(), sorted(p.name for p in (out / "ckpt").iterdir())
-    second = run_job([*torchrun, __file__, str(out), str(checkpoint)], 180, env=env, cwd=out)
+    second = run_job([*launcher, __file__, str(out), str(checkpoint)], 180, env=env, cwd=out)
     assert second.returncode == 0, second.stdout[-5000:]
     names = ("adam", "resumed", "exact", "lamb", "zoadam", "zoadam_exact", "plain")
     return {"dir": out, **{name: _load(out, name) for name in names}}
-
-
-def _max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.slow
@@ -210,7 +198,7 @@ def test_trajectory_equals_the_plain_loop(runs, name):
     # DDP divides each gradient by 2 before summing, the optimizer after: both exact on 2 ranks,
     # so the runs agree bit for bit (measured: 0.0 for all three, bf16-mixed included).
     for rank in range(2):
-        assert _max_diff(runs[name][rank]["params"], runs["plain"][rank][name]) == 0.0
+        assert max_abs_diff(runs[name][rank]["params"], runs["plain"][rank][name]) == 0.0
 
 
 @pytest.mark.slow
@@ -226,8 +214,8 @@ def test_resume_through_lightning_continues_the_schedule(runs):
         # equals the plain loop that round-tripped its state_dict at the same step, bit for bit ...
         assert resumed["params"] == plain["adam_reloaded"]
         # ... and differs from the uninterrupted run by as much as that reset moves the plain loop.
-        reset_effect = _max_diff(plain["adam"], plain["adam_reloaded"])
-        assert _max_diff(resumed["params"], uninterrupted["params"]) == reset_effect
+        reset_effect = max_abs_diff(plain["adam"], plain["adam_reloaded"])
+        assert max_abs_diff(resumed["params"], uninterrupted["params"]) == reset_effect
         assert reset_effect > 0.0
 
 
@@ -238,7 +226,7 @@ def test_exact_resume_through_lightning_continues_bit_for_bit(runs):
         assert resumed["stats"]["warmup"]["steps"] == 0 and resumed["stats"]["compression"]["steps"] == STEPS - SAVED_AT
         # Every rank got its own compression errors back: the run the reset test shows moved by a
         # reset equals the uninterrupted one (measured: 0.0 on both ranks).
-        assert _max_diff(resumed["params"], uninterrupted["params"]) == 0.0
+        assert max_abs_diff(resumed["params"], uninterrupted["params"]) == 0.0
 
 
 @pytest.mark.slow
@@ -255,7 +243,7 @@ def test_exact_resume_between_zero_one_adam_syncs_gives_every_rank_its_own_state
     for resumed, uninterrupted in zip(runs["zoadam_exact"], runs["zoadam"], strict=True):
         assert uninterrupted["plans"][str(ZO_SAVED_AT)] == "local" and uninterrupted["plans"][str(ZO_STEPS)] == "sync"
         assert resumed["global_step"] == resumed["step_count"] == ZO_STEPS
-        assert _max_diff(resumed["params"], uninterrupted["params"]) == 0.0  # measured: 0.0 on both ranks
+        assert max_abs_diff(resumed["params"], uninterrupted["params"]) == 0.0  # measured: 0.0 on both ranks
 
 
 # ----------------------------------------------------------------- one process, and bad input

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import LogMessages
+from conftest import LogMessages, tiny_mlp
 from distributed import run_ranks
 from onebit import (OnebitAdam, OnebitLamb, ZeroOneAdam, load_compression_errors, save_checkpoint,
                     save_compression_errors)
@@ -39,9 +39,8 @@ STEPS = 9
 
 
 def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
     # 33 outputs: uneven shards (17 and 16 rows); Linear(33, 1): an empty shard on the second rank
-    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 1))
+    return tiny_mlp(16, 33, 1)
 
 
 def _batch(rank: int, t: int, features: int = 16, outputs: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -124,13 +124,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Everything is written and the process group destroyed, but FSDP2 keeps the device mesh alive
-    # (torch 2.13: after `fully_shard` alone, with the model deleted and garbage collected, its
-    # FSDPParam objects and the mesh remain, and gloo threads outlive destroy_process_group). Those
-    # threads run into the interpreter's teardown, which now and then aborts a finished rank
-    # ("terminate called without an active exception", SIGABRT). Skip that teardown, as
-    # examples/bert/pretrain.py does.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # FSDP2 keeps the device mesh alive (torch 2.13: after `fully_shard` alone, with the model deleted
+    # and garbage collected, its FSDPParam objects and the mesh remain), and with it gloo threads
+    # that outlive destroy_process_group and now and then abort a finished rank at exit.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: teardown.py
+    from teardown import exit_skipping_teardown
+
+    exit_skipping_teardown()
