@@ -70,15 +70,20 @@ class OnebitDiLoCo(OnebitOptimizer):
         **options: the keyword-only options of every onebit optimizer (transport, group, masks,
             buckets, scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`; not ``overlap_backward`` (an inner step
-            sends nothing to overlap) nor ``hierarchy``. A momentum mask keeps the averaged
-            pseudo-gradient and the outer momentum exactly 0 where it is 0.
+            sends nothing to overlap) nor ``hierarchy``. A momentum mask keeps the inner momentum,
+            the averaged pseudo-gradient and the outer momentum exactly 0 where it is 0.
+
+    A parameter without a gradient on every rank is left alone, parameter and state, as in
+    torch.optim; at an outer step so is a group whose learning rate is 0. What such a parameter
+    moved since the last outer step waits for the next outer step that updates it, and
+    :attr:`replicas_identical` is False until then (:meth:`synchronize` aligns everything).
     """
 
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (INNER.name, OUTER.name)
     _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer")
     _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
     _SCALARS: ClassVar[dict[str, float]] = {"inner_step": 0.0}
-    _MASKED: ClassVar[str] = "outer_momentum_buffer"
+    _MASKED: ClassVar[str] = "exp_avg"
     _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
     CONFIG_TYPE: ClassVar[str] = "OneBitDiLoCo"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
@@ -113,6 +118,7 @@ class OnebitDiLoCo(OnebitOptimizer):
                         weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, **options)
         self._start_checked = False
+        self._left_alone_at: int | None = None  # the last outer step that left some parameter alone
         for bucket in self._buckets:
             for view, p in zip(bucket.views["global_params"], bucket.params):
                 view.copy_(p.detach())
@@ -140,7 +146,9 @@ class OnebitDiLoCo(OnebitOptimizer):
 
     @property
     def replicas_identical(self) -> bool:
-        return self._step % self.sync_every == 0 or self._synced_at == self._step
+        """True after an outer step that aligned every parameter (or after :meth:`synchronize`)."""
+        aligned = self._step % self.sync_every == 0 and self._left_alone_at != self._step
+        return aligned or self._synced_at == self._step
 
     def _schedule_state(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self._SCHEDULE}
@@ -159,10 +167,18 @@ class OnebitDiLoCo(OnebitOptimizer):
     # ----------------------------------------------------------------- the steps
 
     def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
-        # An outer step re-aligns every parameter, gradient or not (it may have moved since the last).
-        if plan is OUTER:
-            return [True] * len(bucket.owners)
-        return super()._present(bucket, plan)
+        # As in torch.optim, a parameter without a gradient is left alone, state and all; at an
+        # outer step so is one whose learning rate is 0: its local moves since the last outer step
+        # wait for the next outer step that updates it (synchronize() aligns everything at once).
+        present = super()._present(bucket, plan)
+        if plan is OUTER and self.param_groups[bucket.group_index]["lr"] == 0:
+            return [False] * len(present)
+        return present
+
+    def _before_update(self, bucket: Bucket, t: int) -> None:
+        # (called for the buckets with parameters left alone, the same on every rank)
+        if self.plan_for(t) is OUTER:
+            self._left_alone_at = t
 
     def _update_local(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
         """The inner AdamW step of the parameters that have a gradient (each counts its own steps
@@ -183,6 +199,9 @@ class OnebitDiLoCo(OnebitOptimizer):
         if weight_decay != 0:
             torch._foreach_mul_(params, 1.0 - lr * weight_decay)
         torch._foreach_lerp_(m, g, 1 - beta1)
+        if bucket.mask is not None:  # the masks' promise: the momentum is 0 there
+            masks = bucket.view(bucket.mask)
+            torch._foreach_mul_(m, [masks[i] for i in here])
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, g, g, value=1 - beta2)
         denominators = torch._foreach_sqrt(v)

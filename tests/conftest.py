@@ -72,14 +72,15 @@ def short_schedules() -> dict:
     """The table of the optimizer family: per optimizer class, a schedule that runs every plan
     within 12 steps. 1-bit Adam and 1-bit LAMB freeze after step 3; 0/1 Adam has variance steps 1
     and 3, compressed-gradient steps 2, 4 and 5, syncs at 6 and 7, then a local step and a sync in
-    turn. The suites that check every optimizer iterate over it; ``test_contract`` fails when a
-    registered class is missing from it."""
-    from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+    turn; OnebitDiLoCo takes an outer step every 3rd step. The suites that check every optimizer
+    iterate over it; ``test_contract`` fails when a registered class is missing from it."""
+    from onebit import OnebitAdam, OnebitDiLoCo, OnebitLamb, ZeroOneAdam
 
     return {
         OnebitAdam: dict(freeze_step=3),
         OnebitLamb: dict(freeze_step=3),
         ZeroOneAdam: dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2),
+        OnebitDiLoCo: dict(sync_every=3),
     }
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import all_equal, clone_params, short_schedules, tiny_mlp
-from onebit import OnebitAdam, OnebitOptimizer
+from onebit import OnebitAdam, OnebitDiLoCo, OnebitOptimizer
 from onebit.validation import TORCH_FLAGS
 
 
@@ -32,7 +32,7 @@ class Case:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        space = self.extra.get("compression_space")
+        space = self.extra.get("compression_space") or self.extra.get("compression")
         auto = "-auto" if self.schedule.get("freeze_step") == "auto" else ""
         overlap = "-overlap" if self.extra.get("overlap_backward") else ""
         bound = "-bound" if self.extra.get("update_bound") else ""
@@ -47,6 +47,8 @@ def _cases(cls: type, schedule: dict[str, Any]) -> list[Case]:
     ``overlap_backward``; 1-bit Adam and LAMB also with ``freeze_step='auto'`` and with an
     ``update_bound`` (0/1 Adam bounds its steps by default)."""
     base = dict(weight_decay=0.01)
+    if cls is OnebitDiLoCo:  # no compression spaces, no overlap (its inner steps send nothing): 1 bit or none
+        return [Case(cls, schedule, base), Case(cls, schedule, {**base, "compression": "none"})]
     cases = [Case(cls, schedule, base), Case(cls, schedule, {**base, "compression_space": "preconditioned"})]
     if "freeze_step" in schedule:
         # freeze_step='auto' whose latest bound makes it freeze when the schedule does
