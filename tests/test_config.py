@@ -428,7 +428,8 @@ BAD_CONFIGS = [
     ({"optimizer": ["OneBitAdam"]}, TypeError, r"config 'optimizer' must be a mapping"),
     ({"optimizer": {"params": {}}}, ValueError, r"the 'optimizer' section has no 'type'; set \"type\": \"OneBitAdam\""),
     ({"optimizer": {"type": "Adam"}}, ValueError,
-     r"unsupported optimizer type 'Adam'; onebit builds 'OneBitAdam', 'OneBitLamb', 'ZeroOneAdam' or 'OneBitDiLoCo' \(case-insensitive\)"),
+     r"unsupported optimizer type 'Adam'; onebit builds 'OneBitAdam', 'OneBitLamb', 'ZeroOneAdam' or 'OneBitDiLoCo' "
+     r"\(case-insensitive\)"),
     ({"optimizer": {"type": "Zero-One-Adam"}}, ValueError, r"unsupported optimizer type 'Zero-One-Adam'"),
     ({"optimizer": {"type": 1}}, TypeError, r"optimizer.type must be a string, got 1 of type int"),
     ({"optimizer": {"type": "OneBitAdam", "param": {}}}, ValueError, r"unknown keys \['param'\] in the 'optimizer' section"),

@@ -105,7 +105,8 @@ def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentu
 
 def _train_rank(rank: int, world_size: int, compression: str = "onebit") -> dict:
     model = _model()
-    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, comm_backend_name="gloo", compression=compression)
+    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_lr=0.7, outer_momentum=0.9,
+                       comm_backend_name="gloo", compression=compression)
     trajectory, identical, sent = [], [], []
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
@@ -167,6 +168,12 @@ def test_compression_none_averages_exactly(ranks):
     assert float32 <= exact <= float32 + 64 * (STEPS // H)
 
 
+def test_defaults_are_the_plain_average_every_32_steps():
+    opt = OnebitDiLoCo(_model().parameters(), comm_backend_name="local")
+    assert (opt.sync_every, opt.outer_lr, opt.outer_momentum, opt.compression) == (32, 1.0, 0.0, "onebit")
+    assert opt.param_groups[0]["bias_correction"] is True and opt.param_groups[0]["weight_decay"] == 1e-2
+
+
 def test_simulation_can_fail():
     """The oracle tells the outer rule apart: plain averaging (lr 1, no momentum) and DiLoCo's
     published outer step move the parameters by far more than the tolerance of the comparison."""
@@ -196,13 +203,15 @@ def test_state_dict_round_trip_continues_bit_for_bit():
     momentum) travels with the state."""
     def run(reload_at: int | None) -> list[torch.Tensor]:
         model = _model()
-        opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, comm_backend_name="local")
+        opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_lr=0.7, outer_momentum=0.9,
+                           comm_backend_name="local")
         for t in range(1, STEPS + 1):
             if t == reload_at:
                 state, errors = opt.state_dict(), [(w.clone(), s.clone()) for w, s in opt.compression_errors()]
                 values = [p.detach().clone() for p in model.parameters()]
                 model = _model(seed=5)
-                opt = OnebitDiLoCo(model.parameters(), sync_every=7, outer_lr=0.3, comm_backend_name="local")
+                opt = OnebitDiLoCo(model.parameters(), sync_every=7, outer_lr=0.3, outer_momentum=0.5,
+                                   comm_backend_name="local")
                 with torch.no_grad():
                     for p, q in zip(model.parameters(), values):
                         p.copy_(q)
@@ -234,7 +243,7 @@ def _under_ddp(rank: int, world_size: int) -> dict:
     out = {}
     for mode in ("plain", "ddp"):
         model = _model()
-        opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, comm_backend_name="gloo")
+        opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_momentum=0.9, comm_backend_name="gloo")
         net = model
         if mode == "ddp":
             net = DDP(model)
