@@ -130,7 +130,7 @@ class Steps:
                 if r is not None:
                     self._overlap.restore_errors(r, bucket, indices)
                 self._before_update(bucket, t)
-                held.append(bucket.hold(indices, self._SHARED_SCALARS))
+                held.append(bucket.hold(indices, self.STATE.shared_scalars))
         self._update(t, grads, compressed, averaged, set() if r is None else {id(self._overlap.order[i]) for i in r.staged})
         for kept_still in held:
             kept_still.restore_()
