@@ -11,7 +11,7 @@ import torch
 from . import functional as F
 from .buckets import Bucket
 from .frozen import FrozenVarianceOptimizer
-from .state import StateSpec
+from .spec import StateSpec
 from .validation import DEEPSPEED_COMMON_REFUSED, check_flag
 
 __all__ = ["OnebitAdam", "adam_step_", "descend_", "step_by_", "decayed_step_", "add_to_params_", "copy_to_params_",

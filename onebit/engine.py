@@ -14,7 +14,7 @@ step averages gradients in full precision; ``comm_stats()`` counts steps and byt
 What an algorithm (a subclass) declares and defines, by purpose:
 
 =====================  ========================================================================
-must declare           ``PLAN_NAMES`` (its plans' names); ``STATE`` (a :class:`onebit.state.StateSpec`:
+must declare           ``PLAN_NAMES`` (its plans' names); ``STATE`` (a :class:`onebit.spec.StateSpec`:
                        buffers, scalars, masked buffer, group keys, the schedule's settings)
 must define            ``plan_for(step)``: the :class:`StepPlan` of a step, from its number;
                        ``_update_averaged``: the update from an averaged gradient;
@@ -56,7 +56,8 @@ from .health import Health
 from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
 from .lifecycle import Lifecycle
-from .state import StateDictContract, StateSpec, allocate_lazy, release_lazy
+from .spec import StateSpec
+from .state import StateDictContract, allocate_lazy, release_lazy
 from .steps import Steps
 from .hierarchy import Topology, build_topology, check_hierarchy
 from .layout import check_layout, ranks_differing
@@ -152,7 +153,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     """
 
     #: What the algorithm keeps per parameter and saves (buffers, scalars, the masked buffer, the
-    #: group keys a checkpoint holds, the schedule): see :class:`onebit.state.StateSpec`.
+    #: group keys a checkpoint holds, the schedule): see :class:`onebit.spec.StateSpec`.
     STATE: ClassVar[StateSpec] = StateSpec()
     # Whether compress=False buckets average their gradients in full precision on local steps too
     # (else they take local steps with the compressed ones).

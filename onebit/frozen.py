@@ -16,7 +16,7 @@ from . import autofreeze
 from .autofreeze import AutoFreeze
 from .buckets import Bucket
 from .engine import OnebitOptimizer, StepPlan
-from .state import Schedule, Setting, StateSpec
+from .spec import Schedule, Setting, StateSpec
 from .validation import check_compression_space, check_int, check_update_bound, is_int
 
 logger = logging.getLogger(__name__)

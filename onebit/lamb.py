@@ -14,7 +14,7 @@ from .buckets import Bucket
 from .shards import reduce_over_shards_
 from .adam import add_to_params_, as_float
 from .frozen import FrozenVarianceOptimizer
-from .state import Setting, StateSpec
+from .spec import Setting, StateSpec
 from .validation import DEEPSPEED_COMMON_REFUSED, check_choice, check_number
 
 __all__ = ["OnebitLamb", "TRUST_RATIOS"]

@@ -16,7 +16,7 @@ from .adam import adam_step_, as_float, copy_to_params_, descend_, step_by_
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
-from .state import Schedule, Setting, StateSpec
+from .spec import Schedule, Setting, StateSpec
 from .validation import (DEEPSPEED_COMMON_REFUSED, check_compression_space, check_flag, check_int,
                          check_update_bound)
 from .zoschedule import COMPRESSED_GRADIENT, LOCAL, SYNC, VARIANCE, is_variance_step, sync_interval, variance_updates

@@ -17,7 +17,7 @@ from conftest import seeded_params
 from distributed import run_ranks
 from onebit import LocalBackend, OnebitAdam, OnebitLamb, OnebitOptimizer, StepPlan
 from onebit.buckets import Bucket
-from onebit.state import StateSpec
+from onebit.spec import StateSpec
 from onebit.testing import simulate_compressed_allreduce
 
 PACKAGE = Path(onebit.__file__).resolve().parent
