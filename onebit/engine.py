@@ -198,16 +198,9 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         reduce_dtype: Any = None,
         **unknown: Any,
     ) -> None:
-        refuse_unknown(type(self).__name__, unknown, {**type(self).DEEPSPEED_REFUSED, **type(self).NOT_SETTINGS})
-        check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
-        check_hierarchy(hierarchy, hierarchy_variant)
-        check_flag("overlap_backward", overlap_backward)
-        if overlap_backward and hierarchy is not None:
-            raise ValueError(f"overlap_backward=True does not work with hierarchy={hierarchy!r} yet; pass one of them")
-        self.reduce_dtype = reduce_dtype_of(reduce_dtype)
-        if self.reduce_dtype is not None and "mpi" in (comm_backend_name, getattr(backend, "name", None)):
-            raise ValueError(f"reduce_dtype={reduce_dtype!r} saves nothing on the MPI transport: MPI has no bfloat16 "
-                             "sum, so it sends float32; leave reduce_dtype at None with comm_backend_name='mpi'")
+        self.reduce_dtype = self._check_options(unknown, comm_backend_name, backend, bucket_size, nonfinite_grads,
+                                                divergence, scale_block_size, cuda_aware, hierarchy, hierarchy_variant,
+                                                overlap_backward, reduce_dtype)
         defaults = with_tuple_betas({**defaults, "compress": True})
         self._check_group(defaults)
         self.bucket_size = bucket_size
@@ -231,12 +224,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
             resolve_backend(comm_backend_name, backend, cuda_aware=cuda_aware, group=group), self.PLAN_NAMES)
-        self._topology: Topology | None = None
-        if hierarchy is not None:
-            topology = build_topology(self._backend.inner, hierarchy, hierarchy_variant)
-            if topology is not None:
-                intra, cross = self._backend.add_levels(topology.intra, topology.cross)
-                self._topology = dataclasses.replace(topology, intra=intra, cross=cross)
+        self._topology = None if hierarchy is None else self._two_levels(hierarchy, hierarchy_variant)
         self._kernels: dict[torch.device, KernelSet] = {}
         for index in range(len(self.param_groups)):
             self._build_group_buckets(index)
@@ -246,6 +234,31 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         if overlap_backward:
             self._overlap = Overlap(self)
             self._overlap.attach(self._buckets)
+
+    @classmethod
+    def _check_options(cls, unknown: Mapping[str, Any], comm_backend_name: str | None, backend: CommBackend | None,
+                       bucket_size: Any, nonfinite_grads: Any, divergence: Any, scale_block_size: Any, cuda_aware: Any,
+                       hierarchy: Any, hierarchy_variant: Any, overlap_backward: Any, reduce_dtype: Any) -> torch.dtype | None:
+        """Validate the constructor's options (no side effects); return ``reduce_dtype`` as the engine keeps it."""
+        refuse_unknown(cls.__name__, unknown, {**cls.DEEPSPEED_REFUSED, **cls.NOT_SETTINGS})
+        check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
+        check_hierarchy(hierarchy, hierarchy_variant)
+        check_flag("overlap_backward", overlap_backward)
+        if overlap_backward and hierarchy is not None:
+            raise ValueError(f"overlap_backward=True does not work with hierarchy={hierarchy!r} yet; pass one of them")
+        dtype = reduce_dtype_of(reduce_dtype)
+        if dtype is not None and "mpi" in (comm_backend_name, getattr(backend, "name", None)):
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} saves nothing on the MPI transport: MPI has no bfloat16 "
+                             "sum, so it sends float32; leave reduce_dtype at None with comm_backend_name='mpi'")
+        return dtype
+
+    def _two_levels(self, hierarchy: Any, variant: str) -> Topology | None:
+        """The two-level topology of ``hierarchy=`` over the transport (None: it falls back to flat)."""
+        topology = build_topology(self._backend.inner, hierarchy, variant)
+        if topology is None:
+            return None
+        intra, cross = self._backend.add_levels(topology.intra, topology.cross)
+        return dataclasses.replace(topology, intra=intra, cross=cross)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
