@@ -124,6 +124,11 @@ class Bucket:
         if everything:
             self.derived = Derived()
 
+    def forget_keep_mask(self) -> None:
+        """The algorithm's dead coordinates changed (see ``OnebitOptimizer._dead``): the keep mask is
+        derived again at the next compressed step."""
+        self.derived.frozen_mask_ready = False
+
     def hold(self, indices: Sequence[int], shared: Sequence[str] = ()) -> Held:
         """Copies of everything a step may change for the parameters ``indices``: the parameters,
         their state (buffers, and scalars other than ``shared``, which advance with the step on

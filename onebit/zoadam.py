@@ -284,7 +284,7 @@ class ZeroOneAdam(OnebitOptimizer):
         known = self._zero_variance.get(id(bucket))
         if known != 0 and (known is None or known != int(torch.count_nonzero(bucket.buffers["exp_avg_sq"] == 0))
                            - (bucket.padded - bucket.numel)):  # they only become fewer: the same count, the same set
-            bucket.derived.frozen_mask_ready = False
+            bucket.forget_keep_mask()
 
     def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
         # A sync also has work for a tensor that moved on some rank since the last one (its
