@@ -153,8 +153,8 @@ def step_by_(bucket: Bucket, updates: list[torch.Tensor], lr: float, weight_deca
 def decayed_step_(bucket: Bucket, updates: list[torch.Tensor], lr: float, weight_decay: float) -> None:
     """``u <- u + weight_decay * p``, then ``p <- p - lr * u`` for each of the bucket's parameters
     and its update ``u`` (float32, the parameter's shape; changed in place)."""
-    if weight_decay != 0:
-        torch._foreach_add_(updates, as_float(bucket.params), alpha=weight_decay)
+    if weight_decay != 0:  # (parameters of other dtypes: foreach adds tensor by tensor, in float32)
+        torch._foreach_add_(updates, bucket.params, alpha=weight_decay)
     add_to_params_(bucket, updates, -lr)
 
 
