@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -10,9 +11,11 @@ import torch
 from . import functional as F
 from .buckets import Bucket
 from .frozen import FrozenVarianceOptimizer
+from .spec import StateSpec
 from .validation import DEEPSPEED_COMMON_REFUSED, check_flag
 
-__all__ = ["OnebitAdam", "adam_step_", "descend_"]
+__all__ = ["OnebitAdam", "adam_step_", "descend_", "step_by_", "decayed_step_", "add_to_params_", "copy_to_params_",
+           "as_float"]
 
 
 class OnebitAdam(FrozenVarianceOptimizer):
@@ -62,7 +65,8 @@ class OnebitAdam(FrozenVarianceOptimizer):
             :class:`onebit.engine.OnebitOptimizer`.
     """
 
-    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+    STATE: ClassVar[StateSpec] = dataclasses.replace(
+        FrozenVarianceOptimizer.STATE, group_keys=("lr", "betas", "eps", "weight_decay", "bias_correction"))
     CONFIG_TYPE: ClassVar[str] = "OneBitAdam"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
 
@@ -81,8 +85,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
         update_bound: float | str | None = "auto",
         **options: Any,
     ) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
-                        weight_decay=weight_decay, bias_correction=bias_correction)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound, **options)
 
     @classmethod
@@ -99,7 +102,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
         """After the 1-bit average of the momentum, the update with the frozen variance."""
         beta1, beta2 = group["betas"]
         bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
-        denominators = self._frozen_denominator(bucket, group["eps"], bc2)
+        denominators = self._frozen_denominator.get(bucket, group["eps"], bc2).views
         descend_(bucket, bucket.views["exp_avg"], denominators, group["lr"], group["weight_decay"], bc1)
 
 
@@ -119,48 +122,61 @@ def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: flo
         direction = torch.div(m, F.adam_denominator_(denominator, v, group["eps"], bc2), out=bucket.scratch("update"))
         if bc1 != 1.0:
             direction.div_(bc1)
-    updates = bucket.view(direction)
-    lr, weight_decay = group["lr"], group["weight_decay"]
-    if bucket.same_dtype:
-        if weight_decay != 0:
-            torch._foreach_add_(updates, bucket.params, alpha=weight_decay)
-        torch._foreach_add_(bucket.params, updates, alpha=-lr)
-        return
-    for u, p in zip(updates, bucket.params):
-        if weight_decay != 0:
-            u.add_(p, alpha=weight_decay)
-        p.add_(u.to(p.dtype), alpha=-lr)
+    decayed_step_(bucket, bucket.view(direction), group["lr"], group["weight_decay"])
 
 
 def descend_(bucket: Bucket, momenta: list[torch.Tensor], denominators: list[torch.Tensor], lr: float,
-             weight_decay: float, bc1: float = 1.0, params: list[torch.Tensor] | None = None) -> None:
+             weight_decay: float, bc1: float = 1.0) -> None:
     """``p <- p * (1 - lr * weight_decay) - (lr / bc1) * m / denominator`` for each of the bucket's
-    parameters (or ``params``: float32 tensors of their shapes), one fused pass each."""
-    targets = bucket.params if params is None else params
-    if params is not None or bucket.same_dtype:
-        if weight_decay != 0:
-            torch._foreach_mul_(targets, 1.0 - lr * weight_decay)
-        torch._foreach_addcdiv_(targets, momenta, denominators, value=-lr / bc1)
+    parameters, one fused pass each (float32 parameters; others: :func:`decayed_step_` of
+    ``(m / denominator) / bc1``)."""
+    if not bucket.same_dtype:
+        updates = [torch.div(mom, d) for mom, d in zip(momenta, denominators)]
+        decayed_step_(bucket, updates if bc1 == 1.0 else [u.div_(bc1) for u in updates], lr, weight_decay)
         return
-    for p, mom, d in zip(targets, momenta, denominators):
-        u = torch.div(mom, d)
-        if bc1 != 1.0:
-            u.div_(bc1)
-        if weight_decay != 0:
-            u.add_(p, alpha=weight_decay)
-        p.add_(u.to(p.dtype), alpha=-lr)
+    if weight_decay != 0:
+        torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
+    torch._foreach_addcdiv_(bucket.params, momenta, denominators, value=-lr / bc1)
 
 
 def step_by_(bucket: Bucket, updates: list[torch.Tensor], lr: float, weight_decay: float, scale: float = 1.0) -> None:
     """``p <- p * (1 - lr * weight_decay) - lr * scale * u`` for each of the bucket's parameters
     and its update ``u`` (float32, the parameter's shape): :func:`descend_` for a ready update."""
+    if not bucket.same_dtype:
+        decayed_step_(bucket, [u * scale for u in updates], lr, weight_decay)
+        return
+    if weight_decay != 0:
+        torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
+    torch._foreach_add_(bucket.params, updates, alpha=-lr * scale)
+
+
+def decayed_step_(bucket: Bucket, updates: list[torch.Tensor], lr: float, weight_decay: float) -> None:
+    """``u <- u + weight_decay * p``, then ``p <- p - lr * u`` for each of the bucket's parameters
+    and its update ``u`` (float32, the parameter's shape; changed in place)."""
+    if weight_decay != 0:  # (parameters of other dtypes: foreach adds tensor by tensor, in float32)
+        torch._foreach_add_(updates, bucket.params, alpha=weight_decay)
+    add_to_params_(bucket, updates, -lr)
+
+
+def add_to_params_(bucket: Bucket, updates: list[torch.Tensor], alpha: float = 1.0) -> None:
+    """``p <- p + alpha * u`` for each of the bucket's parameters and its float32 update ``u``: one
+    foreach pass when they are float32, else per parameter, ``u`` rounded to its dtype first."""
     if bucket.same_dtype:
-        if weight_decay != 0:
-            torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
-        torch._foreach_add_(bucket.params, updates, alpha=-lr * scale)
+        torch._foreach_add_(bucket.params, updates, alpha=alpha)
         return
     for p, u in zip(bucket.params, updates):
-        step = u * scale
-        if weight_decay != 0:
-            step.add_(p, alpha=weight_decay)
-        p.add_(step.to(p.dtype), alpha=-lr)
+        p.add_(u.to(p.dtype), alpha=alpha)
+
+
+def copy_to_params_(bucket: Bucket, values: list[torch.Tensor]) -> None:
+    """``p <- v`` for each of the bucket's parameters and its float32 value ``v`` (rounded to its dtype)."""
+    if bucket.same_dtype:
+        torch._foreach_copy_(bucket.params, values)
+        return
+    for p, v in zip(bucket.params, values):
+        p.copy_(v)
+
+
+def as_float(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` in float32: the float32 ones themselves, copies of the others."""
+    return [t.float() for t in tensors]

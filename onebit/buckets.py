@@ -10,9 +10,8 @@ between them (``real()`` is False there) holds zeros and never reaches a paramet
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,24 +35,17 @@ _DENSE_MASK_RATIO = 1024
 
 @dataclass
 class Derived:
-    """Values derived from a bucket's state, kept between steps, never saved.
-
-    ``frozen_zeros`` / ``frozen_keep``: where the compressed buffer is kept 0 (the user's mask, the
-    algorithm's dead coordinates, the padding), or None: the indices when they are few (applying
-    them costs what they hold), else packed bits over the padded buffer (set = keep) that the
-    decode applies in its own pass; ``frozen_mask_ready`` once derived (first compression step,
-    or the first after an invalidation). ``denominator``: the flat denominator of a frozen
-    variance for ``denominator_key`` (what it was computed with), and its per-parameter views.
-    """
+    """The keep masks the engine derives from a bucket's state, kept between steps, never saved:
+    where the compressed buffer is kept 0 (the user's mask, the algorithm's dead coordinates, the
+    padding). ``frozen_zeros`` / ``frozen_keep``: the indices when they are few (applying them costs
+    what they hold), else packed bits over the padded buffer (set = keep) that the decode applies in
+    its own pass, or None; ``frozen_mask_ready`` once derived (first compression step, or the first
+    after an invalidation). What an algorithm derives (its denominators) it keeps itself, keyed by
+    :attr:`Bucket.version`."""
 
     frozen_zeros: torch.Tensor | None = None
     frozen_keep: torch.Tensor | None = None
     frozen_mask_ready: bool = False
-    denominator: torch.Tensor | None = None
-    denominator_key: Any = None
-    denominators: list[torch.Tensor] = field(default_factory=list)
-    preconditioner: torch.Tensor | None = None  # 1 / denominator, 0 where the momentum is kept 0
-    preconditioner_key: Any = None
 
 
 class Bucket:
@@ -98,9 +90,11 @@ class Bucket:
         # allocated on first use; see scratch().
         self._scratch: dict[str, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None  # the user's momentum mask (1 keep, 0 zero), padded layout
-        # What the algorithm derives from the state and keeps between steps (see Derived): one
-        # object, replaced by invalidate() whenever the state changes from outside a step.
+        # The keep masks derived from the state (see Derived): one object, replaced by invalidate()
+        # whenever the state changes from outside a step. ``version`` counts those changes: an
+        # algorithm's cache of values derived from the state is out of date once it differs.
         self.derived = Derived()
+        self.version = 0
         self.compressed: torch.Tensor | None = None  # the buffer of the last compressed step
         self.same_dtype = all(p.dtype == torch.float32 for p in self.params)
         self.compression: AllreduceState | None = None
@@ -120,15 +114,18 @@ class Bucket:
         return [None if p.grad is None else local(p.grad) for p in self.owners]
 
     def invalidate(self, everything: bool = True) -> None:
-        """Forget what was derived from the state (after a load or a copy: everything; after some
-        parameters' state was put back as it was before a step, which cannot change where the
-        variance is 0: the denominator only). It is rebuilt from the buffers when next needed."""
+        """The state changed from outside a step: what was derived from it is out of date (the
+        algorithm's, by :attr:`version`), and rebuilt from the buffers when next needed. After a
+        load or a copy (``everything``) the keep masks too; not after some parameters' state was put
+        back as it was before a step, which cannot change where the variance is 0."""
+        self.version += 1
         if everything:
             self.derived = Derived()
-        else:
-            self.derived.denominator = self.derived.denominator_key = None
-            self.derived.preconditioner = self.derived.preconditioner_key = None
-            self.derived.denominators = []
+
+    def forget_keep_mask(self) -> None:
+        """The algorithm's dead coordinates changed (see ``OnebitOptimizer._dead``): the keep mask is
+        derived again at the next compressed step."""
+        self.derived.frozen_mask_ready = False
 
     def hold(self, indices: Sequence[int], shared: Sequence[str] = ()) -> Held:
         """Copies of everything a step may change for the parameters ``indices``: the parameters,
@@ -255,9 +252,9 @@ def split_into_buckets(params: list[torch.Tensor], bucket_size: int) -> list[lis
     return runs
 
 
-def set_masks(buckets: list[Bucket], masks: Mapping[torch.Tensor, torch.Tensor], momentum: str) -> None:
+def set_masks(buckets: list[Bucket], masks: Mapping[torch.Tensor, torch.Tensor], momentum: str | None) -> None:
     """Validate ``{param: mask}`` and write each mask into its bucket's padded ``mask``; zero the
-    ``momentum`` buffer where it is 0. Nothing changes unless every mask is valid."""
+    ``momentum`` buffer (if any) where it is 0. Nothing changes unless every mask is valid."""
     if not isinstance(masks, Mapping):
         raise TypeError(f"momentum_masks must be a mapping {{param: mask}}, got {type(masks).__name__}")
     located = {}
@@ -295,7 +292,8 @@ def set_masks(buckets: list[Bucket], masks: Mapping[torch.Tensor, torch.Tensor],
         if bucket.mask is None:
             bucket.mask = torch.ones(bucket.padded, dtype=torch.float32, device=bucket.device)
         bucket.mask[bucket.slices[i]].copy_(mask.reshape(-1).to(torch.float32))
-        bucket.buffers[momentum].mul_(bucket.mask)
+        if momentum is not None:
+            bucket.buffers[momentum].mul_(bucket.mask)
 
 
 def _gather_grads(bucket: Bucket, inv_scale: torch.Tensor | None, dense: bool) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .layout import ranks_differing
 from .plan import StepPlan
+from .spec import Schedule, Setting, StateSpec
 from .exact import ExactAverage
 from .validation import DEEPSPEED_COMMON_REFUSED, check_choice, check_flag, check_number, is_int
 
@@ -25,6 +26,39 @@ __all__ = ["OnebitDiLoCo", "INNER", "OUTER"]
 INNER = StepPlan("inner")  # an AdamW step on the local gradient; nothing is sent
 OUTER = StepPlan("outer", compress=True)  # the inner step, then the 1-bit average of the pseudo-gradient
 COMPRESSIONS = ("onebit", "none")
+
+
+def _check_outer(sync_every: Any, outer_lr: Any, outer_momentum: Any, saved: bool = False) -> None:
+    _check_sync_every(sync_every, saved)
+    _check_outer_lr(outer_lr, saved)
+    check_number("outer_momentum", outer_momentum, low=0.0, high=1.0, high_open=True)
+
+
+def _check_sync_every(value: Any, saved: bool = False) -> int:
+    if not is_int(value, 1):
+        where = " in the checkpoint" if saved else ""
+        raise ValueError(f"sync_every must be an int >= 1 (the steps between outer steps){where}, got {value!r}")
+    return value
+
+
+def _check_outer_lr(value: Any, saved: bool = False) -> float:
+    check_number("outer_lr", value, low=0.0)
+    if not value > 0:
+        raise ValueError(f"outer_lr must be > 0{' in the checkpoint' if saved else ''}, got {value!r}")
+    return float(value)
+
+
+def _check_outer_momentum(value: Any) -> float:
+    check_number("outer_momentum", value, low=0.0, high=1.0, high_open=True)
+    return float(value)
+
+
+#: the schedule saved with the state: the position in the round comes from the step number
+SCHEDULE = Schedule((
+    Setting("sync_every", lambda value: _check_sync_every(value, saved=True)),
+    Setting("outer_lr", lambda value: _check_outer_lr(value, saved=True)),
+    Setting("outer_momentum", _check_outer_momentum),
+))
 
 
 class OnebitDiLoCo(OnebitOptimizer):
@@ -84,16 +118,14 @@ class OnebitDiLoCo(OnebitOptimizer):
     """
 
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (INNER.name, OUTER.name)
-    _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer")
-    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
-    _SCALARS: ClassVar[dict[str, float]] = {"inner_step": 0.0}
-    _MASKED: ClassVar[str] = "exp_avg"
-    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+    STATE: ClassVar[StateSpec] = StateSpec(
+        buffers=("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer"), nonnegative=("exp_avg_sq",),
+        scalars={"inner_step": 0.0}, masked="exp_avg",
+        group_keys=("lr", "betas", "eps", "weight_decay", "bias_correction"), schedule=SCHEDULE)
     CONFIG_TYPE: ClassVar[str] = "OneBitDiLoCo"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
     NOT_SETTINGS: ClassVar[Mapping[str, str]] = {
         "freeze_step": "OnebitDiLoCo has no full-precision warmup; sync_every sets how often it communicates"}
-    _SCHEDULE: ClassVar[tuple[str, ...]] = ("sync_every", "outer_lr", "outer_momentum")
 
     def __init__(
         self,
@@ -153,20 +185,6 @@ class OnebitDiLoCo(OnebitOptimizer):
         """True after an outer step that aligned every parameter (or after :meth:`synchronize`)."""
         aligned = self._step % self.sync_every == 0 and self._left_alone_at != self._step
         return aligned or self._synced_at == self._step
-
-    def _schedule_state(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in self._SCHEDULE}
-
-    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        schedule = {key: meta.get(key) for key in self._SCHEDULE}
-        _check_outer(*schedule.values(), saved=True)
-        return schedule
-
-    def _apply_schedule(self, schedule: dict[str, Any]) -> None:
-        for key, value in schedule.items():
-            if value != getattr(self, key) and self._speaks:
-                logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, value, getattr(self, key))
-            setattr(self, key, value)
 
     # ----------------------------------------------------------------- the steps
 
@@ -278,13 +296,3 @@ class OnebitDiLoCo(OnebitOptimizer):
                 "are the parameters at construction): build the model with the same seed on every rank, or "
                 "broadcast rank 0's parameters (e.g. wrap the model in DDP) before building the optimizer")
         self._start_checked = True
-
-
-def _check_outer(sync_every: Any, outer_lr: Any, outer_momentum: Any, saved: bool = False) -> None:
-    where = " in the checkpoint" if saved else ""
-    if not is_int(sync_every, 1):
-        raise ValueError(f"sync_every must be an int >= 1 (the steps between outer steps){where}, got {sync_every!r}")
-    check_number("outer_lr", outer_lr, low=0.0)
-    if not outer_lr > 0:
-        raise ValueError(f"outer_lr must be > 0{where}, got {outer_lr!r}")
-    check_number("outer_momentum", outer_momentum, low=0.0, high=1.0, high_open=True)

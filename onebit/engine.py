@@ -10,6 +10,31 @@ over pure functions of the maths in :mod:`onebit.functional`.
 What a step communicates is its :class:`StepPlan`, derived from the step number alone (so the same
 on every rank and after any resume): integrations ask ``optimizer.next_plan`` whether the next
 step averages gradients in full precision; ``comm_stats()`` counts steps and bytes per plan name.
+
+What an algorithm (a subclass) declares and defines, by purpose:
+
+=====================  ========================================================================
+must declare           ``PLAN_NAMES`` (its plans' names); ``STATE`` (a :class:`onebit.spec.StateSpec`:
+                       buffers, scalars, masked buffer, group keys, the schedule's settings)
+must define            ``plan_for(step)``: the :class:`StepPlan` of a step, from its number;
+                       ``_update_averaged``: the update from an averaged gradient;
+                       ``_compress_input``: the buffer the 1-bit all-reduce averages;
+                       ``_update_compressed``: the update from its average;
+                       ``_update_local``: the update of a step that sends nothing (only with such plans)
+codec (optional)       ``_codec_multipliers``, ``_codec_bound``: what the codec averages (times
+                       ``into``, clamped) and decodes (times ``out_of``); ``_STAGED_PLANS`` and
+                       ``_decode_target``: plans whose input ``overlap_backward`` may start during
+                       backward; ``_dead``, ``_on_compression``: coordinates kept 0 besides the masks
+lifecycle (optional)   ``_check_group`` (hyperparameters of its own); ``_schedule_step`` (a schedule
+                       decided from the state); ``_present``, ``_before_update``, ``_skipped_alone``
+                       (parameters without a gradient, rank-local skips); ``_forget`` (drop its
+                       caches, see :meth:`OnebitOptimizer._invalidate`); ``_adopt`` (a parameter that
+                       starts training, :mod:`onebit.lifecycle`); ``_synchronize`` and
+                       ``replicas_identical`` (algorithms whose replicas differ between syncs)
+=====================  ========================================================================
+
+Two declarations and four methods make an algorithm (five with local steps); ``tests/test_engine.py``'s
+``CompressedSGD`` is one.
 """
 
 from __future__ import annotations
@@ -32,13 +57,15 @@ from .health import Health
 from .plan import StepPlan
 from .kernels import KernelSet, get_kernels
 from .lifecycle import Lifecycle
-from .state import StateDictContract
+from .spec import StateSpec
+from .state import StateDictContract, allocate_lazy, release_lazy
 from .steps import Steps
 from .hierarchy import Topology, build_topology, check_hierarchy
 from .layout import check_layout, ranks_differing
 from .shards import first_shard
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
-from .validation import check_common_group, check_engine_options, check_flag, check_params, reduce_dtype_of, refuse_unknown
+from .validation import (check_common_group, check_engine_options, check_flag, check_params, reduce_dtype_of,
+                         refuse_unknown, with_tuple_betas)
 
 logger = logging.getLogger(__name__)
 
@@ -126,23 +153,13 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             bfloat16 sum: it would send float32). See ``docs/guides/tuning.md``.
     """
 
-    # What a subclass declares: per-element state buffers (param-shaped in the state dict), the
-    # ones that must not be negative, per-parameter scalars with their initial values, the
-    # buffer the momentum masks apply to, the group hyperparameters saved in checkpoints, and
-    # the names of its plans (in comm_stats order). Buffers in _LAZY exist only in the phases
-    # that need them (_allocate / _release); the state dict holds them while they exist.
-    _BUFFERS: ClassVar[tuple[str, ...]] = ()
-    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ()
-    _SCALARS: ClassVar[dict[str, float]] = {}
-    _LAZY: ClassVar[tuple[str, ...]] = ()
+    #: What the algorithm keeps per parameter and saves (buffers, scalars, the masked buffer, the
+    #: group keys a checkpoint holds, the schedule): see :class:`onebit.spec.StateSpec`.
+    STATE: ClassVar[StateSpec] = StateSpec()
     # Whether compress=False buckets average their gradients in full precision on local steps too
     # (else they take local steps with the compressed ones).
     _AVERAGE_UNCOMPRESSED_ALWAYS: ClassVar[bool] = False
-    _MASKED: ClassVar[str] = "exp_avg"
-    # Per-parameter scalars that advance with the step on every rank, gradient or not (a
-    # parameter left alone for want of a gradient keeps its other state as it was).
-    _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ()
-    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
+    #: The names of the algorithm's plans, in ``comm_stats()`` order.
     PLAN_NAMES: ClassVar[tuple[str, ...]] = ()
     #: The optimizer's type name in DeepSpeed-style config files (``"optimizer": {"type": ...}``,
     #: matched case-insensitively); a subclass that sets it can be built by :func:`onebit.from_config`.
@@ -182,17 +199,10 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         reduce_dtype: Any = None,
         **unknown: Any,
     ) -> None:
-        refuse_unknown(type(self).__name__, unknown, {**type(self).DEEPSPEED_REFUSED, **type(self).NOT_SETTINGS})
-        check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
-        check_hierarchy(hierarchy, hierarchy_variant)
-        check_flag("overlap_backward", overlap_backward)
-        if overlap_backward and hierarchy is not None:
-            raise ValueError(f"overlap_backward=True does not work with hierarchy={hierarchy!r} yet; pass one of them")
-        self.reduce_dtype = reduce_dtype_of(reduce_dtype)
-        if self.reduce_dtype is not None and "mpi" in (comm_backend_name, getattr(backend, "name", None)):
-            raise ValueError(f"reduce_dtype={reduce_dtype!r} saves nothing on the MPI transport: MPI has no bfloat16 "
-                             "sum, so it sends float32; leave reduce_dtype at None with comm_backend_name='mpi'")
-        defaults = {**defaults, "compress": True}
+        self.reduce_dtype = self._check_options(unknown, comm_backend_name, backend, bucket_size, nonfinite_grads,
+                                                divergence, scale_block_size, cuda_aware, hierarchy, hierarchy_variant,
+                                                overlap_backward, reduce_dtype)
+        defaults = with_tuple_betas({**defaults, "compress": True})
         self._check_group(defaults)
         self.bucket_size = bucket_size
         self.scale_block_size = scale_block_size
@@ -217,21 +227,41 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         # Everything above validates without side effects; only now is a backend touched.
         self._backend = InstrumentedBackend(
             resolve_backend(comm_backend_name, backend, cuda_aware=cuda_aware, group=group), self.PLAN_NAMES)
-        self._topology: Topology | None = None
-        if hierarchy is not None:
-            topology = build_topology(self._backend.inner, hierarchy, hierarchy_variant)
-            if topology is not None:
-                intra, cross = self._backend.add_levels(topology.intra, topology.cross)
-                self._topology = dataclasses.replace(topology, intra=intra, cross=cross)
+        self._topology = None if hierarchy is None else self._two_levels(hierarchy, hierarchy_variant)
         self._kernels: dict[torch.device, KernelSet] = {}
         for index in range(len(self.param_groups)):
             self._build_group_buckets(index)
-        set_masks(self._buckets, momentum_masks or {}, self._MASKED)
+        set_masks(self._buckets, momentum_masks or {}, self.STATE.masked)
         self._momentum_masks = dict(momentum_masks or {})
         self._trainable_at_build = self._trainable()
         if overlap_backward:
             self._overlap = Overlap(self._start_early)
             self._overlap.attach(self._buckets)
+
+    @classmethod
+    def _check_options(cls, unknown: Mapping[str, Any], comm_backend_name: str | None, backend: CommBackend | None,
+                       bucket_size: Any, nonfinite_grads: Any, divergence: Any, scale_block_size: Any, cuda_aware: Any,
+                       hierarchy: Any, hierarchy_variant: Any, overlap_backward: Any, reduce_dtype: Any) -> torch.dtype | None:
+        """Validate the constructor's options (no side effects); return ``reduce_dtype`` as the engine keeps it."""
+        refuse_unknown(cls.__name__, unknown, {**cls.DEEPSPEED_REFUSED, **cls.NOT_SETTINGS})
+        check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
+        check_hierarchy(hierarchy, hierarchy_variant)
+        check_flag("overlap_backward", overlap_backward)
+        if overlap_backward and hierarchy is not None:
+            raise ValueError(f"overlap_backward=True does not work with hierarchy={hierarchy!r} yet; pass one of them")
+        dtype = reduce_dtype_of(reduce_dtype)
+        if dtype is not None and "mpi" in (comm_backend_name, getattr(backend, "name", None)):
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} saves nothing on the MPI transport: MPI has no bfloat16 "
+                             "sum, so it sends float32; leave reduce_dtype at None with comm_backend_name='mpi'")
+        return dtype
+
+    def _two_levels(self, hierarchy: Any, variant: str) -> Topology | None:
+        """The two-level topology of ``hierarchy=`` over the transport (None: it falls back to flat)."""
+        topology = build_topology(self._backend.inner, hierarchy, variant)
+        if topology is None:
+            return None
+        intra, cross = self._backend.add_levels(topology.intra, topology.cross)
+        return dataclasses.replace(topology, intra=intra, cross=cross)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -243,12 +273,8 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         """The optimizer classes by their ``CONFIG_TYPE`` (those defined so far)."""
         return dict(OnebitOptimizer._REGISTRY)
 
-    # ----------------------------------------------------------------- what a subclass provides
-
-    @classmethod
-    def _check_group(cls, group: Mapping[str, Any]) -> None:
-        """Validate one param group's hyperparameters (raise TypeError/ValueError)."""
-        check_common_group(group, cls.__name__)
+    # ----------------------------------------------------------------- hooks a new algorithm must define
+    # (see the module docstring's table; the defaults below raise NotImplementedError)
 
     def plan_for(self, step: int) -> StepPlan:
         """The plan of step ``step`` (1-based), from the step number alone."""
@@ -268,22 +294,11 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         raise NotImplementedError
 
     def _update_local(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
-        """Update a bucket on a step that communicates nothing for it."""
+        """Update a bucket on a step that communicates nothing for it (needed only by an algorithm
+        with such plans)."""
         raise NotImplementedError
 
-    def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
-        """This rank skipped its update of a step that communicates nothing (non-finite local
-        gradients) while the step counts: advance what must stay the same on every rank."""
-
-    def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
-        """Per parameter of ``bucket``, whether step of ``plan`` has work for it on this rank: it
-        has a gradient. Parameters with work on no rank are left alone, with their state, as in
-        torch.optim."""
-        return [p.grad is not None for p in bucket.owners]
-
-    def _before_update(self, bucket: Bucket, t: int) -> None:
-        """Allocate what step ``t`` would allocate for ``bucket`` (called before some of its
-        parameters' values are held through the step, see :meth:`Bucket.hold`)."""
+    # ----------------------------------------------------------------- codec hooks (optional)
 
     def _codec_multipliers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(into, out_of)``: the compressed all-reduce of ``bucket`` averages its buffer times
@@ -301,13 +316,6 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         ``_STAGED_PLANS``): by default the input buffer itself."""
         return bucket.compressed
 
-    def _schedule_step(self, t: int) -> None:
-        """Called at the start of step ``t``, before its plan is read: a schedule decided from the
-        state (``freeze_step='auto'``) may fix it here; it must not change the plan of ``t``."""
-
-    def _forget(self) -> None:
-        """Drop what the algorithm derived from the state (see :meth:`_invalidate`)."""
-
     def _dead(self, bucket: Bucket) -> torch.Tensor | None:
         """Coordinates (bool over the padded buffer) whose compressed value is forced to 0 from the
         first compressed step on, besides the masks and the padding; None for none."""
@@ -318,22 +326,41 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         first after a load): ``keeps`` (bool, True where the compressed value is not forced to 0);
         ``dead``: how many coordinates :meth:`_dead` gave."""
 
-    def _schedule_state(self) -> dict[str, Any]:
-        """The schedule settings saved in ``state_dict()['param_groups'][i]['onebit']``."""
-        return {}
+    # ----------------------------------------------------------------- lifecycle hooks (optional)
 
-    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate the schedule settings of a saved ``state_dict()['param_groups'][i]['onebit']``; return them."""
-        return {}
+    @classmethod
+    def _check_group(cls, group: Mapping[str, Any]) -> None:
+        """Validate one param group's hyperparameters (raise TypeError/ValueError); a subclass with
+        hyperparameters of its own extends it."""
+        check_common_group(group, cls.__name__)
 
-    def _apply_schedule(self, schedule: dict[str, Any]) -> None:
-        """Adopt validated schedule settings (after a load)."""
+    def _schedule_step(self, t: int) -> None:
+        """Called at the start of step ``t``, before its plan is read: a schedule decided from the
+        state (``freeze_step='auto'``) may fix it here; it must not change the plan of ``t``."""
+
+    def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
+        """Per parameter of ``bucket``, whether step of ``plan`` has work for it on this rank: it
+        has a gradient. Parameters with work on no rank are left alone, with their state, as in
+        torch.optim."""
+        return [p.grad is not None for p in bucket.owners]
+
+    def _before_update(self, bucket: Bucket, t: int) -> None:
+        """Allocate what step ``t`` would allocate for ``bucket`` (called before some of its
+        parameters' values are held through the step, see :meth:`Bucket.hold`)."""
+
+    def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
+        """This rank skipped its update of a step that communicates nothing (non-finite local
+        gradients) while the step counts: advance what must stay the same on every rank."""
+
+    def _forget(self) -> None:
+        """Drop what the algorithm derived from the state (its caches; see :meth:`_invalidate`)."""
 
     # ----------------------------------------------------------------- construction
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"a param group must be a dict, got {type(param_group).__name__}")
+        param_group = with_tuple_betas(param_group)
         hyper = {k: v for k, v in param_group.items() if k != "params"}
         self._check_group({**self.defaults, **hyper})
         params = param_group.get("params", [])
@@ -362,8 +389,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         group = self.param_groups[index]
         for params in split_into_buckets(group["params"], self.bucket_size):
             bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
-                            [name for name in self._BUFFERS if name not in self._LAZY], self._SCALARS,
-                            topology=self._topology)
+                            self.STATE.eager, self.STATE.scalars, topology=self._topology)
             for i, p in enumerate(bucket.owners):
                 self.state[p] = {**{name: views[i] for name, views in bucket.views.items()},
                                  **{name: values[i] for name, values in bucket.scalars.items()}}
@@ -381,17 +407,11 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
 
     def _allocate(self, bucket: Bucket, name: str) -> None:
         """Allocate the lazy buffer ``name`` of ``bucket`` (zeros) and enter it in the state."""
-        if name not in bucket.buffers:
-            bucket.add_buffer(name)
-            for p, view in zip(bucket.owners, bucket.views[name]):
-                self.state[p][name] = view
+        allocate_lazy(self.state, bucket, name)
 
     def _release(self, bucket: Bucket, name: str) -> None:
         """Free the lazy buffer ``name`` of ``bucket``."""
-        if name in bucket.buffers:
-            bucket.drop_buffer(name)
-            for p in bucket.owners:
-                self.state[p].pop(name, None)
+        release_lazy(self.state, bucket, name)
 
     # ----------------------------------------------------------------- public state
 

@@ -4,7 +4,9 @@ full precision, then a frozen variance and a momentum averaged with the 1-bit al
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import weakref
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -14,6 +16,7 @@ from . import autofreeze
 from .autofreeze import AutoFreeze
 from .buckets import Bucket
 from .engine import OnebitOptimizer, StepPlan
+from .spec import Schedule, Setting, StateSpec
 from .validation import check_compression_space, check_int, check_update_bound, is_int
 
 logger = logging.getLogger(__name__)
@@ -31,6 +34,80 @@ WARMUP = StepPlan("warmup", average_gradients=True)
 COMPRESSION = StepPlan("compression", compress=True)
 
 
+def _saved_freeze_step(value: Any, auto: bool = True) -> int | None:
+    """A saved ``freeze_step``: an int, or ``"auto"`` (None: undecided) where ``auto`` (its
+    ``auto_freeze`` state was saved too)."""
+    if auto and isinstance(value, str) and value == "auto":
+        return None
+    if not is_int(value, 1):
+        raise ValueError(f"freeze_step must be an int >= 1 (or 'auto' with its auto_freeze state), got {value!r}")
+    return value
+
+
+def _auto_has_its_state(values: dict[str, Any]) -> None:
+    if values["freeze_step"] is None and values["_auto"] is None:
+        _saved_freeze_step("auto", auto=False)
+
+
+def _note_unused_bound(opt: FrozenVarianceOptimizer) -> None:
+    """After a load: an ``update_bound`` given to the constructor clamps nothing in a restored momentum space."""
+    if opt._speaks and opt._bound_given and opt._bound_setting is not None and opt.compression_space != "preconditioned":
+        logger.warning("onebit: update_bound=%g clamps nothing in the momentum space restored from the checkpoint",
+                       opt._bound_setting)
+
+
+@dataclass
+class _Frozen:
+    key: tuple[float, float]  # (eps, bc2)
+    version: int  # the bucket's version it was derived at
+    flat: torch.Tensor  # d = sqrt(v / bc2) + eps over the padded buffer
+    views: list[torch.Tensor]  # its per-parameter views
+    inverse: torch.Tensor | None = None  # 1 / d, 0 where the momentum is kept 0
+
+
+class FrozenDenominator:
+    """What 1-bit Adam and 1-bit LAMB derive from a bucket's frozen variance ``v``, for one
+    ``(eps, bc2)`` at a time: the denominator ``d = sqrt(v / bc2) + eps`` (:meth:`get`: flat, and
+    per-parameter views) and the preconditioner ``1 / d``, 0 where the momentum is kept 0 (zero
+    variance, masks, padding; :meth:`preconditioner`). Derived when first asked for, and again for
+    another ``(eps, bc2)`` or once the bucket's state changed from outside a step
+    (:meth:`onebit.buckets.Bucket.invalidate`); :meth:`forget` drops everything."""
+
+    def __init__(self) -> None:
+        self._entries: weakref.WeakKeyDictionary[Bucket, _Frozen] = weakref.WeakKeyDictionary()
+
+    def get(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> _Frozen:
+        entry = self._entries.get(bucket)
+        if entry is None or entry.key != (eps, bc2) or entry.version != bucket.version:
+            v = bucket.buffers["exp_avg_sq"]
+            flat = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
+            entry = self._entries[bucket] = _Frozen((eps, bc2), bucket.version, flat, bucket.view(flat))
+        return entry
+
+    def preconditioner(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(1 / d, d)``, flat."""
+        entry = self.get(bucket, eps, bc2)
+        if entry.inverse is None:
+            still = F.kept_still(bucket.buffers["exp_avg_sq"], bucket.mask)
+            entry.inverse = torch.reciprocal(entry.flat).masked_fill_(still, 0.0)
+        return entry.inverse, entry.flat
+
+    def forget(self) -> None:
+        self._entries.clear()
+
+
+#: The schedule of 1-bit Adam and 1-bit LAMB in state dicts: ``freeze_step`` (``"auto"`` while
+#: undecided), the compression space (a checkpoint without it is of the momentum space, the
+#: default before 2026-11-26) and, with ``freeze_step="auto"``, what the decision compares with.
+#: The checkpoint's settings win: its compression errors (exact resume) are of its space.
+SCHEDULE = Schedule(
+    (Setting("freeze_step", _saved_freeze_step, save=lambda step: "auto" if step is None else step),
+     Setting("compression_space", partial(check_compression_space, saved=True), absent="momentum"),
+     Setting("auto_freeze", AutoFreeze.from_state, attribute="_auto", absent=None, omit=None, save=AutoFreeze.state,
+             logged=False)),
+    check_all=_auto_has_its_state, after_load=_note_unused_bound)
+
+
 class FrozenVarianceOptimizer(OnebitOptimizer):
     """Steps ``1..freeze_step`` are :data:`WARMUP` (full-precision gradient average), every later
     step is :data:`COMPRESSION`: each rank updates its momentum ``exp_avg`` with its local gradient
@@ -40,8 +117,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
 
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (WARMUP.name, COMPRESSION.name)
     _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset({COMPRESSION.name})
-    _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
-    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
+    STATE: ClassVar[StateSpec] = StateSpec(buffers=("exp_avg", "exp_avg_sq"), nonnegative=("exp_avg_sq",),
+                                           masked="exp_avg", schedule=SCHEDULE)
 
     def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int | str, compression_space: str = "preconditioned",
                  freeze_bounds: tuple[int, int | None] | None = None, update_bound: float | str | None = "auto",
@@ -77,6 +154,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         # "auto" or the bound given; resolved against the space in force (a checkpoint may restore another)
         self._bound_setting: float | str | None = update_bound
         self._unbounded: set[int] = set()  # the groups whose betas left update_bound nothing to clamp (said once)
+        self._frozen_denominator = FrozenDenominator()
         super().__init__(params, defaults, **options)
         if update_bound is not None and self._bound_given:
             for group in self.param_groups:
@@ -160,76 +238,26 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
             return None
         group = self.param_groups[bucket.group_index]
         beta1, beta2 = group["betas"]
-        largest = F.adam_largest_ratio(beta1, beta2)
-        if largest is None:  # betas changed since the constructor checked them (or "auto"): no bound to give
+        bound = F.update_bound(self.update_bound, beta1, beta2)
+        if bound is None:  # betas changed since the constructor checked them (or "auto"): no bound to give
             if self._speaks and self._bound_given and bucket.group_index not in self._unbounded:
                 logger.warning("onebit: param group %d's betas %s make Adam's largest step unbounded "
                                "(beta1**2 >= beta2): its update_bound=%g clamps nothing", bucket.group_index,
                                group["betas"], self.update_bound)
             self._unbounded.add(bucket.group_index)
             return None
-        bc1 = F.bias_corrections(t, t, beta1, beta2, group.get("bias_correction", False))[0]
-        bound = self.update_bound * largest * bc1
+        bound *= F.bias_corrections(t, t, beta1, beta2, group.get("bias_correction", False))[0]
         return bound if bound < _FLOAT32_MAX else None  # one float32 cannot hold clamps nothing
 
     def _preconditioner(self, bucket: Bucket, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(1 / d, d)`` over the padded buffer for the frozen ``d = sqrt(v / bc2) + eps``, ``1 / d``
-        0 where the momentum is kept 0 (zero variance, masks, padding): derived once per
-        ``(eps, bc2)`` (and again after an invalidation)."""
+        """``(1 / d, d)`` over the padded buffer for the frozen ``d = sqrt(v / bc2) + eps`` (see
+        :class:`FrozenDenominator`)."""
         bc2 = F.bias_corrections(self.freeze_step, self.freeze_step, *group["betas"],
                                  group.get("bias_correction", False))[1]
-        self._frozen_denominator(bucket, group["eps"], bc2)
-        derived = bucket.derived
-        if derived.preconditioner is None or derived.preconditioner_key != derived.denominator_key:
-            still = bucket.buffers["exp_avg_sq"] == 0
-            if bucket.mask is not None:
-                still |= bucket.mask == 0
-            derived.preconditioner = torch.reciprocal(derived.denominator).masked_fill_(still, 0.0)
-            derived.preconditioner_key = derived.denominator_key
-        return derived.preconditioner, derived.denominator
+        return self._frozen_denominator.preconditioner(bucket, group["eps"], bc2)
 
-    @staticmethod
-    def _frozen_denominator(bucket: Bucket, eps: float, bc2: float = 1.0) -> list[torch.Tensor]:
-        """Per-parameter views of ``sqrt(v / bc2) + eps`` of the frozen variance, computed once per
-        ``(eps, bc2)`` (and again after a load)."""
-        key = (eps, bc2)
-        if bucket.derived.denominator is None or bucket.derived.denominator_key != key:
-            v = bucket.buffers["exp_avg_sq"]
-            bucket.derived.denominator = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
-            bucket.derived.denominators = bucket.view(bucket.derived.denominator)
-            bucket.derived.denominator_key = key
-        return bucket.derived.denominators
-
-    def _schedule_state(self) -> dict[str, Any]:
-        # (a checkpoint without compression_space is of the momentum space, the default before 2026-11-26)
-        space = {"compression_space": self.compression_space}
-        # 'auto': the step it chose (or "auto" while undecided) and what the decision compares with
-        auto = {} if self._auto is None else {"auto_freeze": self._auto.state()}
-        return {"freeze_step": "auto" if self.freeze_step is None else self.freeze_step, **space, **auto}
-
-    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        freeze_step = meta.get("freeze_step")
-        auto = AutoFreeze.from_state(meta["auto_freeze"]) if "auto_freeze" in meta else None
-        if freeze_step == "auto" and auto is not None:
-            freeze_step = None
-        elif not is_int(freeze_step, 1):
-            raise ValueError(f"freeze_step must be an int >= 1 (or 'auto' with its auto_freeze state), got {freeze_step!r}")
-        space = meta.get("compression_space", "momentum")
-        check_compression_space(space, saved=True)
-        return {"freeze_step": freeze_step, "compression_space": space, "_auto": auto}
-
-    def _apply_schedule(self, schedule: dict[str, Any]) -> None:
-        self._auto = schedule["_auto"]
-        # The checkpoint's settings win: its compression errors (exact resume) are of its space.
-        for key in ("freeze_step", "compression_space"):
-            if schedule[key] != getattr(self, key):
-                logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, schedule[key],
-                            getattr(self, key))
-            setattr(self, key, schedule[key])
-        if (self._speaks and self._bound_given and self._bound_setting is not None
-                and self.compression_space != "preconditioned"):
-            logger.warning("onebit: update_bound=%g clamps nothing in the momentum space restored from the checkpoint",
-                           self._bound_setting)
+    def _forget(self) -> None:
+        self._frozen_denominator.forget()
 
 
 def _pair(bounds: Any) -> tuple[Any, Any]:

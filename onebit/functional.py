@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["adam_moments_", "momentum_", "adam_denominator_", "adam_direction_", "bias_corrections",
-           "lamb_trust_ratio", "reconstructed_grad_", "lamb_factor"]
+           "lamb_trust_ratio", "reconstructed_grad_", "lamb_factor", "adam_largest_ratio", "update_bound", "kept_still"]
 
 
 def adam_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float) -> None:
@@ -134,3 +134,21 @@ def adam_largest_ratio(beta1: float, beta2: float) -> float | None:
     if beta1 * beta1 >= beta2:
         return None
     return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+
+
+def update_bound(scale: float | None, beta1: float, beta2: float) -> float | None:
+    """The bound of ``|m / sqrt(v)|`` that ``update_bound=scale`` sets: ``scale`` times
+    :func:`adam_largest_ratio`; None where either is None (no bound)."""
+    if scale is None:
+        return None
+    largest = adam_largest_ratio(beta1, beta2)
+    return None if largest is None else scale * largest
+
+
+def kept_still(exp_avg_sq: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Where the momentum is kept 0 and moves nothing (bool): the variance is 0 (1 bit cannot
+    send 0), or the momentum ``mask`` is."""
+    still = exp_avg_sq == 0
+    if mask is not None:
+        still |= mask == 0
+    return still

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -11,7 +12,9 @@ import torch
 from . import functional as F
 from .buckets import Bucket
 from .shards import reduce_over_shards_
+from .adam import add_to_params_, as_float
 from .frozen import FrozenVarianceOptimizer
+from .spec import Setting, StateSpec
 from .validation import DEEPSPEED_COMMON_REFUSED, check_choice, check_number
 
 __all__ = ["OnebitLamb", "TRUST_RATIOS"]
@@ -26,6 +29,11 @@ TRUST_RATIOS = ("live", "frozen")
 # the last step's error minus this step's), so a short average keeps the signal's norm where one
 # step's norm counts the noise in it (examples/bert/README.md: weights 0, 0.5 and 0.9 measured).
 SMOOTHING = 0.5
+
+
+def _saved_trust_ratio(rule: Any) -> str:
+    check_choice("in the checkpoint", rule, TRUST_RATIOS, prefix="trust_ratio")
+    return rule
 
 
 class OnebitLamb(FrozenVarianceOptimizer):
@@ -113,16 +121,19 @@ class OnebitLamb(FrozenVarianceOptimizer):
             :class:`onebit.engine.OnebitOptimizer`.
     """
 
-    _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "smoothed_update")
-    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq", "exp_avg_sq_fresh")
-    # trust_ratio="frozen"'s: the fresh variance, from step freeze_step on, and the scalars (with
-    # "live" they stay 0 and 1); "live"'s: the smoothed update, from the first compression step on
-    _LAZY: ClassVar[tuple[str, ...]] = ("exp_avg_sq_fresh", "smoothed_update")
-    _SCALARS: ClassVar[dict[str, float]] = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0}
+    # Lazy: trust_ratio="frozen"'s fresh variance, from step freeze_step on, and "live"'s smoothed
+    # update, from the first compression step on; the scalars are "frozen"'s (with "live" they stay 0
+    # and 1). The rule is saved with the schedule (a checkpoint without it was saved under "frozen",
+    # the only rule before 2026-11-26); the checkpoint's wins: its scalars and fresh variance are its rule's.
+    STATE: ClassVar[StateSpec] = dataclasses.replace(
+        FrozenVarianceOptimizer.STATE, buffers=("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "smoothed_update"),
+        nonnegative=("exp_avg_sq", "exp_avg_sq_fresh"), lazy=("exp_avg_sq_fresh", "smoothed_update"),
+        scalars={"lamb_coeff_freeze": 0.0, "last_factor": 1.0},
+        group_keys=("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff"),
+        schedule=FrozenVarianceOptimizer.STATE.schedule.extend(Setting("trust_ratio", _saved_trust_ratio, absent="frozen")))
     # trust_ratio="frozen"'s arguments and their defaults (DeepSpeed's)
     FROZEN_DEFAULTS: ClassVar[dict[str, float]] = {"coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5,
                                                    "factor_threshold": 0.1}
-    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff")
     CONFIG_TYPE: ClassVar[str] = "OneBitLamb"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = {
         "bias_correction": "DeepSpeed's OnebitLamb read it and never used it: there is no bias correction in 1-bit LAMB",
@@ -169,8 +180,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
         self.coeff_beta, self.factor_max, self.factor_min = hp["coeff_beta"], hp["factor_max"], hp["factor_min"]
         self.factor_threshold = hp["factor_threshold"]
         self.trust_ratio = trust_ratio
-        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
-                        weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+                        min_coeff=min_coeff)
         super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound, **options)
 
     @classmethod
@@ -195,7 +206,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
             bucket.buffers["exp_avg_sq_fresh"].copy_(v)
         updates = bucket.view(F.adam_direction_(bucket.scratch("update"), m, v, group["eps"]))
         if group["weight_decay"] != 0:
-            torch._foreach_add_(updates, self._float(bucket.params), alpha=group["weight_decay"])
+            torch._foreach_add_(updates, as_float(bucket.params), alpha=group["weight_decay"])
         coeff = F.lamb_trust_ratio(self._norms(bucket, bucket.params), self._norms(bucket, updates), group["min_coeff"],
                                    group["max_coeff"])
         if self._in_warmup(t) and self.trust_ratio == "frozen":
@@ -216,9 +227,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
                     # from the warmup's last m / d (or, after a load without it, the momentum's)
                     self._allocate(bucket, "smoothed_update")
                     eps = self.param_groups[bucket.group_index]["eps"]
-                    self._frozen_denominator(bucket, eps)
-                    torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator,
-                              out=bucket.buffers["smoothed_update"])
+                    denominator = self._frozen_denominator.get(bucket, eps).flat
+                    torch.div(bucket.buffers["exp_avg"], denominator, out=bucket.buffers["smoothed_update"])
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
         if self.trust_ratio == "frozen":
@@ -237,15 +247,15 @@ class OnebitLamb(FrozenVarianceOptimizer):
         if self.trust_ratio == "frozen":
             self._update_frozen(bucket, group, t)
             return
-        self._frozen_denominator(bucket, group["eps"])
+        denominator = self._frozen_denominator.get(bucket, group["eps"]).flat
         weight_decay = group["weight_decay"]
-        flat = torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator, out=bucket.scratch("update"))
+        flat = torch.div(bucket.buffers["exp_avg"], denominator, out=bucket.scratch("update"))
         smoothed = bucket.buffers["smoothed_update"].mul_(SMOOTHING).add_(flat, alpha=1 - SMOOTHING)
-        params = self._float(bucket.params)
+        params = as_float(bucket.params)
         if weight_decay != 0:  # ||smoothed + wd p|| in the update's buffer, then the update itself in it
             torch._foreach_add_(bucket.view(flat.copy_(smoothed)), params, alpha=weight_decay)
             denominators = self._norms(bucket, bucket.view(flat))
-            torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator, out=flat)
+            torch.div(bucket.buffers["exp_avg"], denominator, out=flat)
             torch._foreach_add_(bucket.view(flat), params, alpha=weight_decay)
         else:
             denominators = self._norms(bucket, bucket.view(smoothed))
@@ -263,15 +273,15 @@ class OnebitLamb(FrozenVarianceOptimizer):
         fresh = bucket.buffers["exp_avg_sq_fresh"]
         work = F.reconstructed_grad_(bucket.scratch("prev"), m, beta1)
         fresh.mul_(beta2).addcmul_(work, work, value=1 - beta2)
-        self._frozen_denominator(bucket, eps)
+        denominator = self._frozen_denominator.get(bucket, eps).flat
         ratio = F.adam_denominator_(work, fresh, eps)
-        torch.div(bucket.derived.denominator, ratio, out=ratio).mul_(bucket.scratch("live"))
+        torch.div(denominator, ratio, out=ratio).mul_(bucket.scratch("live"))
         max_ratio = _maxima(bucket, bucket.view(ratio))
-        updates = bucket.view(torch.div(m, bucket.derived.denominator, out=bucket.scratch("update")))
+        updates = bucket.view(torch.div(m, denominator, out=bucket.scratch("update")))
         prelim_norms = update_norms = None
         if weight_decay != 0:
             prelim_norms = self._norms(bucket, updates)
-            torch._foreach_add_(updates, self._float(bucket.params), alpha=weight_decay)
+            torch._foreach_add_(updates, as_float(bucket.params), alpha=weight_decay)
             update_norms = self._norms(bucket, updates)
         last = bucket.scalars["last_factor"]
         last.copy_(F.lamb_factor(max_ratio, prelim_norms, update_norms, last, self.factor_min, self.factor_max,
@@ -286,23 +296,6 @@ class OnebitLamb(FrozenVarianceOptimizer):
                           "far below the frozen one and the run may be diverging: raise beta2 (e.g. 0.999), "
                           "lower factor_max or the learning rate", self._backend.rank)
 
-    def _schedule_state(self) -> dict[str, Any]:
-        return {**super()._schedule_state(), "trust_ratio": self.trust_ratio}
-
-    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        # (a checkpoint without trust_ratio was saved under "frozen", the only rule before 2026-11-26)
-        rule = meta.get("trust_ratio", "frozen")
-        check_choice("in the checkpoint", rule, TRUST_RATIOS, prefix="trust_ratio")
-        return {**super()._check_schedule(meta), "trust_ratio": rule}
-
-    def _apply_schedule(self, schedule: dict[str, Any]) -> None:
-        super()._apply_schedule(schedule)
-        # The checkpoint's rule wins: its scalars (c_frozen, f) and fresh variance are that rule's.
-        if schedule["trust_ratio"] != self.trust_ratio:
-            logger.info("onebit: trust_ratio %r restored from the checkpoint (was %r)", schedule["trust_ratio"],
-                        self.trust_ratio)
-        self.trust_ratio = schedule["trust_ratio"]
-
     def comm_stats(self) -> dict[str, Any]:
         """:meth:`OnebitOptimizer.comm_stats`, plus ``max_factor``: the largest per-tensor factor
         ``f`` of the last compression step (1.0 before, and always with ``trust_ratio="live"``),
@@ -312,13 +305,9 @@ class OnebitLamb(FrozenVarianceOptimizer):
         stats["max_factor"] = max(factors, default=1.0)
         return stats
 
-    @staticmethod
-    def _float(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [t if t.dtype == torch.float32 else t.float() for t in tensors]
-
     def _norms(self, bucket: Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Each tensor's L2 norm; of the whole tensor for a DTensor shard (its shards' squares summed)."""
-        norms = torch.stack(torch._foreach_norm(self._float(tensors)))
+        norms = torch.stack(torch._foreach_norm(as_float(tensors)))
         if not bucket.sharded:
             return norms
         return reduce_over_shards_(norms.square(), bucket.owners, torch.distributed.ReduceOp.SUM).sqrt_()
@@ -327,11 +316,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
     def _apply(bucket: Bucket, updates: list[torch.Tensor], coeff: torch.Tensor, lr: float) -> None:
         """``p -= lr * coeff_i * u_i`` per tensor (one host read of the coefficients)."""
         torch._foreach_mul_(updates, [-lr * c for c in coeff.tolist()])
-        if bucket.same_dtype:
-            torch._foreach_add_(bucket.params, updates)
-            return
-        for p, u in zip(bucket.params, updates):
-            p.add_(u.to(p.dtype))
+        add_to_params_(bucket, updates)
 
 
 def _maxima(bucket: Bucket, views: list[torch.Tensor]) -> torch.Tensor:

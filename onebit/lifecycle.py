@@ -13,7 +13,6 @@ import torch
 
 from .backends import BACKEND_NAMES
 from .buckets import Bucket, set_masks
-from .state import build_state_dict
 
 logger = logging.getLogger("onebit.engine")
 
@@ -36,7 +35,7 @@ class Lifecycle:
         and hyperparameters), the state dict, this rank's compression errors and the bookkeeping
         of a step; the transport and kernels are not copied but resolved again."""
         args, kwargs = self._init_args
-        return {"args": args, "kwargs": kwargs, "param_groups": self.param_groups, "state_dict": build_state_dict(self),
+        return {"args": args, "kwargs": kwargs, "param_groups": self.param_groups, "state_dict": self._build_state_dict(),
                 "errors": [(w.clone(), s.clone()) for w, s in self.compression_errors()],
                 "layout": self.layout_digest(), "health": self._health, "gradients_averaged": self._gradients_averaged,
                 "compressed_steps": self._compressed_steps, "layout_checked": self._layout_checked}
@@ -104,9 +103,9 @@ class Lifecycle:
         self._buckets = []
         for index in range(len(self.param_groups)):
             self._build_group_buckets(index)
-        owned = set(self._BUFFERS) | set(self._SCALARS)
+        owned = self.STATE.owned
         for bucket in self._buckets:
-            for name in self._LAZY:
+            for name in self.STATE.lazy:
                 if any(name in saved.get(p, {}) for p in bucket.owners):
                     self._allocate(bucket, name)
             newcomers = []
@@ -125,7 +124,7 @@ class Lifecycle:
         for p, entry in saved.items():  # frozen now: their state waits for them
             self.state[p] = entry
         located = {id(p) for bucket in self._buckets for p in bucket.owners}
-        set_masks(self._buckets, {p: m for p, m in self._momentum_masks.items() if id(p) in located}, self._MASKED)
+        set_masks(self._buckets, {p: m for p, m in self._momentum_masks.items() if id(p) in located}, self.STATE.masked)
         self._invalidate()
         self._layout_checked = False
         self._trainable_at_build = self._trainable()
@@ -137,9 +136,9 @@ class Lifecycle:
     def _adopt(self, bucket: Bucket, index: int, newcomers: list[int]) -> None:
         """Parameter ``index`` of ``bucket`` joins the buckets without state (it did not require
         gradients before; so did ``newcomers``): its state is zeros, and its scalars that every
-        parameter shares with the step (``_SHARED_SCALARS``) take those of a parameter that had
+        parameter shares with the step (``STATE.shared_scalars``) take those of a parameter that had
         state."""
         others = [i for i in range(len(bucket.params)) if i not in newcomers]
-        for name in self._SHARED_SCALARS:
+        for name in self.STATE.shared_scalars:
             if others:
                 bucket.scalars[name][index] = bucket.scalars[name][others[0]]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,17 +37,18 @@ import torch
 
 from .layout import layout_digest
 from .shards import is_dtensor, like_param, local, local_value
-from .validation import is_int
+from .spec import StateSpec
+from .validation import is_int, with_tuple_betas
 
 if TYPE_CHECKING:
-    from .engine import OnebitOptimizer
+    from .buckets import Bucket
 
 FORMAT_VERSION = 3
 
 logger = logging.getLogger("onebit.engine")
 
 __all__ = ["FORMAT_VERSION", "StateDictContract", "build_state_dict", "validate_state_dict", "check_compression_errors",
-           "apply_state", "LoadedState", "saved_step"]
+           "apply_state", "LoadedState", "saved_step", "allocate_lazy", "release_lazy"]
 
 
 @dataclass
@@ -60,31 +61,47 @@ class LoadedState:
     others: dict[Any, Any]  # state entries under keys that are not parameter indices
 
 
-def build_state_dict(opt: OnebitOptimizer) -> dict[str, Any]:
-    meta = {"format_version": FORMAT_VERSION, "algorithm": type(opt).__name__, "step": opt.step_count,
-            **opt._schedule_state()}
+def allocate_lazy(state: dict[Any, Any], bucket: Bucket, name: str) -> None:
+    """Allocate the lazy buffer ``name`` of ``bucket`` (zeros) and enter it in the state."""
+    if name not in bucket.buffers:
+        bucket.add_buffer(name)
+        for p, view in zip(bucket.owners, bucket.views[name]):
+            state[p][name] = view
+
+
+def release_lazy(state: dict[Any, Any], bucket: Bucket, name: str) -> None:
+    """Free the lazy buffer ``name`` of ``bucket``."""
+    if name in bucket.buffers:
+        bucket.drop_buffer(name)
+        for p in bucket.owners:
+            state[p].pop(name, None)
+
+
+def build_state_dict(spec: StateSpec, meta: Mapping[str, Any], groups: list[dict[str, Any]],
+                     state: Mapping[Any, Any]) -> dict[str, Any]:
+    """The state dict of ``groups`` and ``state``; ``meta``: the algorithm, step and schedule."""
+    meta = {"format_version": FORMAT_VERSION, **meta}
     index_of: dict[int, int] = {}
-    groups = []
-    for group in opt.param_groups:
+    saved_groups = []
+    for group in groups:
         ids = []
         for p in group["params"]:
             index_of[id(p)] = len(index_of)
             ids.append(index_of[id(p)])
-        saved = {k: (tuple(v) if k == "betas" else v) for k, v in group.items() if k != "params"}
+        saved = with_tuple_betas({k: v for k, v in group.items() if k != "params"})
         saved["params"] = ids
         saved["onebit"] = dict(meta)
-        groups.append(saved)
-    owned = set(opt._BUFFERS) | set(opt._SCALARS)
-    state: dict[Any, Any] = {}
-    for key, entry in opt.state.items():
+        saved_groups.append(saved)
+    saved_state: dict[Any, Any] = {}
+    for key, entry in state.items():
         if not isinstance(key, torch.Tensor) or id(key) not in index_of:
-            state[key] = entry  # an entry a tool keeps under a key of its own: as torch does, kept as it is
+            saved_state[key] = entry  # an entry a tool keeps under a key of its own: as torch does, kept as it is
             continue
-        state[index_of[id(key)]] = {
-            name: (like_param(value.clone(), key) if name in opt._BUFFERS else float(value)) if name in owned else value
-            for name, value in entry.items()
+        saved_state[index_of[id(key)]] = {
+            name: (like_param(value.clone(), key) if name in spec.buffers else float(value)) if name in spec.owned
+            else value for name, value in entry.items()
         }
-    return {"state": state, "param_groups": groups}
+    return {"state": saved_state, "param_groups": saved_groups}
 
 
 def _fail(message: str) -> None:
@@ -97,9 +114,10 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
-def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
-    """Check everything against ``opt``; change nothing."""
-    owner = type(opt).__name__
+def validate_state_dict(spec: StateSpec, owner: str, sd: Any, groups: list[dict[str, Any]], state: Mapping[Any, Any],
+                        buckets: list[Bucket], check_group: Callable[[Mapping[str, Any]], None]) -> LoadedState:
+    """Check everything ``sd`` holds against the optimizer ``owner`` (class name) of ``groups``,
+    ``state`` and ``buckets`` (``check_group``: its check of a param group); change nothing."""
     if not isinstance(sd, Mapping):
         _fail(f"expected a dict from {owner}.state_dict(), got {type(sd).__name__}")
     missing = [k for k in ("state", "param_groups") if k not in sd]
@@ -114,35 +132,55 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
         _fail(f"it was saved by {algorithm!r}, this optimizer is {owner!r}; load it into a {algorithm}")
     step = _check_int("step", meta.get("step"), 0)
     try:
-        schedule = opt._check_schedule(meta)
+        schedule = spec.schedule.check(meta)
     except (TypeError, ValueError) as exc:
         _fail(str(exc))
+    hypers, params_by_key = _validate_groups(spec, sd["param_groups"], groups, check_group)
+    saved_state = sd["state"]
+    if not isinstance(saved_state, Mapping):
+        _fail(f"'state' must be a dict, got {type(saved_state).__name__}")
+    entries: dict[int, dict[str, Any]] = {}
+    for key, (index, p) in params_by_key.items():
+        if p not in state:
+            continue  # not trainable here (requires_grad=False): nothing to restore
+        entries[index] = _validate_entry(spec, index, p, saved_state.get(key))
+    others = {key: value for key, value in saved_state.items() if key not in params_by_key}
+    index_of = {id(p): index for index, p in params_by_key.values()}
+    for bucket in buckets:  # a bucket's lazy buffers exist for all its parameters or none
+        present = {frozenset(n for n in spec.lazy if n in entries.get(index_of[id(p)], {})) for p in bucket.owners}
+        if len(present) > 1:
+            _fail(f"some parameters of one bucket have {'/'.join(spec.lazy)} and others do not; the checkpoint "
+                  "is corrupt")
+    return LoadedState(step, schedule, hypers, entries, others)
 
-    groups = sd["param_groups"]
-    if not isinstance(groups, (list, tuple)) or len(groups) != len(opt.param_groups):
+
+def _validate_groups(spec: StateSpec, groups: Any, live_groups: list[dict[str, Any]],
+                     check_group: Callable[[Mapping[str, Any]], None]
+                     ) -> tuple[list[dict[str, Any]], dict[Any, tuple[int, torch.Tensor]]]:
+    """The saved groups' hyperparameters, and their parameters by saved key (an index; a name where
+    torch.distributed.checkpoint saved it) -> (position, live parameter); as in torch.optim, saved
+    and live parameters pair up by their order in the groups."""
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(live_groups):
         count = len(groups) if isinstance(groups, (list, tuple)) else type(groups).__name__
-        _fail(f"the checkpoint has {count} param groups, this optimizer has {len(opt.param_groups)}")
+        _fail(f"the checkpoint has {count} param groups, this optimizer has {len(live_groups)}")
     hypers = []
-    # saved key (an index; a name where torch.distributed.checkpoint saved it) -> (position, live parameter);
-    # as in torch.optim, saved and live parameters pair up by their order in the groups
     params_by_key: dict[Any, tuple[int, torch.Tensor]] = {}
-    for g, (saved, live) in enumerate(zip(groups, opt.param_groups)):
+    for g, (saved, live) in enumerate(zip(groups, live_groups)):
         if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
             _fail(f"param group {g} is not a dict with a 'params' list")
         if len(saved["params"]) != len(live["params"]):
             _fail(f"param group {g} has {len(saved['params'])} parameters in the checkpoint, "
                   f"{len(live['params'])} here; was it saved from a different model?")
-        absent = [k for k in opt._GROUP_KEYS if k not in saved]
+        absent = [k for k in spec.group_keys if k not in saved]
         if absent:
             _fail(f"param group {g} lacks hyperparameters {absent}")
         if saved.get("compress", True) != live["compress"]:
             _fail(f"param group {g} has compress={saved.get('compress')!r} in the checkpoint and "
                   f"compress={live['compress']!r} here; build the optimizer with the same groups")
         # every saved key but the parameters and onebit's entry (a scheduler's initial_lr too, as torch keeps it)
-        hyper = {k: v for k, v in saved.items() if k not in ("params", "onebit")}
-        hyper["betas"] = tuple(hyper["betas"]) if isinstance(hyper["betas"], (list, tuple)) else hyper["betas"]
+        hyper = with_tuple_betas({k: v for k, v in saved.items() if k not in ("params", "onebit")})
         try:
-            opt._check_group({**hyper, "compress": live["compress"]})
+            check_group({**hyper, "compress": live["compress"]})
         except (TypeError, ValueError) as exc:
             _fail(f"param group {g}: {exc}")
         hypers.append(hyper)
@@ -152,23 +190,7 @@ def validate_state_dict(opt: OnebitOptimizer, sd: Any) -> LoadedState:
             if index in params_by_key:
                 _fail(f"param key {index!r} appears twice in the param groups; the checkpoint is corrupt")
             params_by_key[index] = (len(params_by_key), p)
-
-    state = sd["state"]
-    if not isinstance(state, Mapping):
-        _fail(f"'state' must be a dict, got {type(state).__name__}")
-    entries: dict[int, dict[str, Any]] = {}
-    for key, (index, p) in params_by_key.items():
-        if p not in opt.state:
-            continue  # not trainable here (requires_grad=False): nothing to restore
-        entries[index] = _validate_entry(opt, index, p, state.get(key))
-    others = {key: value for key, value in state.items() if key not in params_by_key}
-    index_of = {id(p): index for index, p in params_by_key.values()}
-    for bucket in opt._buckets:  # a bucket's lazy buffers exist for all its parameters or none
-        present = {frozenset(n for n in opt._LAZY if n in entries.get(index_of[id(p)], {})) for p in bucket.owners}
-        if len(present) > 1:
-            _fail(f"some parameters of one bucket have {'/'.join(opt._LAZY)} and others do not; the checkpoint "
-                  "is corrupt")
-    return LoadedState(step, schedule, hypers, entries, others)
+    return hypers, params_by_key
 
 
 def _metas(sd: Mapping[str, Any]) -> list[Any]:
@@ -200,44 +222,46 @@ def saved_step(sd: Any) -> Any:
     return meta.get("step") if isinstance(meta, Mapping) else None
 
 
-def _validate_entry(opt: OnebitOptimizer, index: int, p: torch.Tensor, entry: Any) -> dict[str, Any]:
-    names = [name for name in opt._BUFFERS if name not in opt._LAZY] + list(opt._SCALARS)
+def _validate_entry(spec: StateSpec, index: int, p: torch.Tensor, entry: Any) -> dict[str, Any]:
+    names = [*spec.eager, *spec.scalars]
     if not isinstance(entry, Mapping) or any(name not in entry for name in names):
         _fail(f"no {'/'.join(names)} for parameter {index} of shape {tuple(p.shape)}; "
               "was it saved from a different model?")
-    names += [name for name in opt._LAZY if name in entry]
-    buffers = {}
-    for name in (name for name in opt._BUFFERS if name in names):
-        t = entry[name]
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            _fail(f"{name} of parameter {index} must be a float tensor, got {type(t).__name__}")
-        if t.shape != p.shape:
-            _fail(f"{name} of parameter {index} has shape {tuple(t.shape)}, the parameter has "
-                  f"{tuple(p.shape)}; was it saved from a different model?")
-        if is_dtensor(t) or is_dtensor(p):  # checked and loaded as this rank's shard
-            try:
-                t = local_value(t, p)
-            except ValueError as exc:
-                _fail(f"{name} of parameter {index}: {exc}")
-            if t.shape != local(p).shape:
-                _fail(f"{name} of parameter {index} has a local shard of shape {tuple(t.shape)}, the parameter's is "
-                      f"{tuple(local(p).shape)}")
-        buffers[name] = t
-        if not bool(torch.isfinite(t).all()):
-            _fail(f"{name} of parameter {index} contains NaN or inf; the checkpoint is corrupt")
-        if name in opt._NONNEGATIVE and bool((t < 0).any()):
-            _fail(f"{name} of parameter {index} has negative entries; the checkpoint is corrupt")
-    for name in opt._SCALARS:
+    names += [name for name in spec.lazy if name in entry]
+    buffers = {name: _validate_buffer(spec, name, index, p, entry[name]) for name in spec.buffers if name in names}
+    for name in spec.scalars:
         value = entry[name]
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             _fail(f"{name} of parameter {index} must be a finite number, got {value!r}")
-    owned = set(opt._BUFFERS) | set(opt._SCALARS)
-    return {**{name: buffers.get(name, entry[name]) for name in names}, **{k: v for k, v in entry.items() if k not in owned}}
+    return {**{name: buffers.get(name, entry[name]) for name in names},
+            **{k: v for k, v in entry.items() if k not in spec.owned}}
 
 
-def check_compression_errors(opt: OnebitOptimizer, errors: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+def _validate_buffer(spec: StateSpec, name: str, index: int, p: torch.Tensor, t: Any) -> torch.Tensor:
+    """The saved buffer ``name`` of parameter ``index``, checked; this rank's shard of it for DTensors."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        _fail(f"{name} of parameter {index} must be a float tensor, got {type(t).__name__}")
+    if t.shape != p.shape:
+        _fail(f"{name} of parameter {index} has shape {tuple(t.shape)}, the parameter has "
+              f"{tuple(p.shape)}; was it saved from a different model?")
+    if is_dtensor(t) or is_dtensor(p):  # checked and loaded as this rank's shard
+        try:
+            t = local_value(t, p)
+        except ValueError as exc:
+            _fail(f"{name} of parameter {index}: {exc}")
+        if t.shape != local(p).shape:
+            _fail(f"{name} of parameter {index} has a local shard of shape {tuple(t.shape)}, the parameter's is "
+                  f"{tuple(local(p).shape)}")
+    if not bool(torch.isfinite(t).all()):
+        _fail(f"{name} of parameter {index} contains NaN or inf; the checkpoint is corrupt")
+    if name in spec.nonnegative and bool((t < 0).any()):
+        _fail(f"{name} of parameter {index} has negative entries; the checkpoint is corrupt")
+    return t
+
+
+def check_compression_errors(opt: Any, errors: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
     """``errors`` (or None) fit ``opt.compression_errors()``: same count, same shapes."""
     if errors is None:
         return
@@ -248,38 +272,35 @@ def check_compression_errors(opt: OnebitOptimizer, errors: list[tuple[torch.Tens
               "or layout?)")
 
 
-def apply_state(opt: OnebitOptimizer, loaded: LoadedState) -> None:
-    """Copy a validated state into ``opt``'s parameters' state and groups (lazy buffers are
-    allocated or freed to match it)."""
-    params = [p for group in opt.param_groups for p in group["params"]]
+def apply_state(spec: StateSpec, loaded: LoadedState, groups: list[dict[str, Any]], state: dict[Any, Any],
+                buckets: Iterable[Bucket]) -> None:
+    """Copy a validated state into ``state`` (the parameters' state) and ``groups`` (lazy buffers
+    are allocated or freed to match it)."""
+    params = [p for group in groups for p in group["params"]]
     entry_of = {id(p): loaded.entries.get(index, {}) for index, p in enumerate(params)}
-    for bucket in opt._buckets:
+    for bucket in buckets:
         present = entry_of[id(bucket.owners[0])]
-        for name in opt._LAZY:
-            if name in present:
-                opt._allocate(bucket, name)
-            else:
-                opt._release(bucket, name)
-    owned = set(opt._BUFFERS) | set(opt._SCALARS)
+        for name in spec.lazy:
+            (allocate_lazy if name in present else release_lazy)(state, bucket, name)
     index = 0
-    for group, hyper in zip(opt.param_groups, loaded.hyperparameters):
+    for group, hyper in zip(groups, loaded.hyperparameters):
         for p in group["params"]:
-            if p in opt.state:  # as torch: the state is what was saved, entries of other tools included
-                for name in [name for name in opt.state[p] if name not in owned]:
-                    del opt.state[p][name]
+            if p in state:  # as torch: the state is what was saved, entries of other tools included
+                for name in [name for name in state[p] if name not in spec.owned]:
+                    del state[p][name]
             for name, value in loaded.entries.get(index, {}).items():
-                if name in opt._BUFFERS:
-                    opt.state[p][name].copy_(value)
-                elif name in owned:  # a per-parameter scalar (a float, or a 0-d tensor): float64 state, no rounding
-                    opt.state[p][name].fill_(float(value))
+                if name in spec.buffers:
+                    state[p][name].copy_(value)
+                elif name in spec.owned:  # a per-parameter scalar (a float, or a 0-d tensor): float64 state, no rounding
+                    state[p][name].fill_(float(value))
                 else:
-                    opt.state[p][name] = copy.deepcopy(value)
+                    state[p][name] = copy.deepcopy(value)
             index += 1
         group.update(hyper)
-    for key in [key for key in opt.state if not isinstance(key, torch.Tensor)]:
-        del opt.state[key]
+    for key in [key for key in state if not isinstance(key, torch.Tensor)]:
+        del state[key]
     for key, value in loaded.others.items():
-        opt.state[key] = copy.deepcopy(value)
+        state[key] = copy.deepcopy(value)
 
 
 class StateDictContract:
@@ -315,6 +336,11 @@ class StateDictContract:
         segments) does: what must match for compression errors to be exchanged."""
         return layout_digest(self._buckets)
 
+    def _build_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without its hooks."""
+        meta = {"algorithm": type(self).__name__, "step": self._step, **self.STATE.schedule.save(self)}
+        return build_state_dict(self.STATE, meta, self.param_groups, self.state)
+
     def state_dict(self) -> dict[str, Any]:
         """World-size independent state (see :mod:`onebit.state`): the step, each parameter's
         state (copies), hyperparameters, the schedule, a format version. Compression errors and
@@ -322,7 +348,7 @@ class StateDictContract:
         ``_post_hook`` run as in torch."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = build_state_dict(self)
+        state_dict = self._build_state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -345,19 +371,20 @@ class StateDictContract:
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        loaded = validate_state_dict(self, state_dict)
+        loaded = validate_state_dict(self.STATE, type(self).__name__, state_dict, self.param_groups, self.state,
+                                     self._buckets, self._check_group)
         check_compression_errors(self, compression_errors)
         self._drain()  # work started during a backward is dropped: it read the old state
         # Everything is checked: from here on nothing can fail half-way on the user's input.
-        apply_state(self, loaded)
-        self._apply_schedule(loaded.schedule)
+        apply_state(self.STATE, loaded, self.param_groups, self.state, self._buckets)
+        self.STATE.schedule.apply(self, loaded.schedule)
         self._step = loaded.step
         self._steps_taken = 0
         self._synced_at = None
         self._health.reset()
         for bucket in self._buckets:
-            if bucket.mask is not None:
-                bucket.buffers[self._MASKED].mul_(bucket.mask)
+            if bucket.mask is not None and self.STATE.masked is not None:
+                bucket.buffers[self.STATE.masked].mul_(bucket.mask)
         self._invalidate()
         self.reset_compression_errors()
         for (worker, server), (w, s) in zip(self.compression_errors(), compression_errors or []):

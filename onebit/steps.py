@@ -229,7 +229,7 @@ class Steps:
             if indices:
                 r.restore_errors(bucket, indices)
                 self._before_update(bucket, t)
-                held.append(bucket.hold(indices, self._SHARED_SCALARS))
+                held.append(bucket.hold(indices, self.STATE.shared_scalars))
         self._update(r, grads, compressed, averaged)
         for kept_still in held:
             kept_still.restore_()

@@ -14,7 +14,7 @@ import torch
 __all__ = ["is_int", "is_real", "check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
            "check_engine_options", "refuse", "refuse_unknown", "TORCH_FLAGS", "DEEPSPEED_COMMON_REFUSED",
            "COMPRESSION_SPACES", "check_compression_space", "REDUCE_DTYPES", "reduce_dtype_of",
-           "check_update_bound"]
+           "check_update_bound", "with_tuple_betas"]
 
 
 def check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
@@ -37,11 +37,13 @@ def is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_int(name: str, value: Any, low: int, why: str = "") -> None:
+def check_int(name: str, value: Any, low: int, why: str = "") -> int:
+    """An int (not a bool) ``>= low``; returned."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
     if value < low:
         raise ValueError(f"invalid {name}: {value}; it must be >= {low}{why}")
+    return value
 
 
 def check_flag(name: str, value: Any) -> None:
@@ -86,6 +88,13 @@ def check_common_group(group: Mapping[str, Any], owner: str) -> None:
             "param group key 'exp_avg_mask' (DeepSpeed) is not read by onebit; pass "
             f"momentum_masks={{param: mask}} to {owner} instead"
         )
+
+
+def with_tuple_betas(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the param group ``group`` whose ``betas``, a list or tuple (config files and JSON
+    give lists), is a tuple: how groups keep them, and state dicts save them."""
+    betas = group.get("betas")
+    return {**group, "betas": tuple(betas)} if isinstance(betas, (list, tuple)) else dict(group)
 
 
 def check_engine_options(bucket_size: Any, nonfinite_grads: Any, divergence: Any, scale_block_size: Any,
@@ -180,8 +189,10 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...], prefix: str = 
 COMPRESSION_SPACES = ("momentum", "preconditioned")
 
 
-def check_compression_space(value: Any, saved: bool = False) -> None:
+def check_compression_space(value: Any, saved: bool = False) -> str:
+    """One of :data:`COMPRESSION_SPACES` (given, or ``saved`` in a checkpoint); returned."""
     if saved:
         check_choice("in the checkpoint", value, COMPRESSION_SPACES, prefix="compression_space")
     else:
         check_choice("compression_space", value, COMPRESSION_SPACES)
+    return value

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
 
 from . import functional as F
-from .adam import adam_step_, descend_, step_by_
+from .adam import adam_step_, as_float, copy_to_params_, descend_, step_by_
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
+from .spec import Schedule, Setting, StateSpec
 from .validation import (DEEPSPEED_COMMON_REFUSED, check_compression_space, check_flag, check_int,
                          check_update_bound)
 from .zoschedule import COMPRESSED_GRADIENT, LOCAL, SYNC, VARIANCE, is_variance_step, sync_interval, variance_updates
@@ -21,6 +25,68 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ZeroOneAdam", "VARIANCE", "COMPRESSED_GRADIENT", "LOCAL", "SYNC", "is_variance_step", "variance_updates",
            "sync_interval"]
+
+
+@dataclass
+class _Still:
+    # (eps, bc2); ("fresh", eps, bc2): flat holds sqrt(v / bc2) + eps of a variance step, not yet +inf where kept still
+    key: Any
+    version: int  # the bucket's version it was derived at
+    flat: torch.Tensor
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+class StillDenominator:
+    """0/1 Adam's denominator of each bucket: ``d = sqrt(v / bc2) + eps``, ``+inf`` where the
+    momentum must not move the parameters (masked coordinates, and zero-variance ones, whose 1-bit
+    average cannot be 0): their updates ``m / d`` are 0 on every step, local ones too, at no cost
+    per step. Kept for the ``(eps, bc2)`` it was derived with (a variance step writes it afresh:
+    :meth:`buffer`, :meth:`fresh`), derived again once the bucket's state changed from outside a
+    step (:meth:`onebit.buckets.Bucket.invalidate`); :meth:`forget` drops everything."""
+
+    def __init__(self) -> None:
+        self._entries: weakref.WeakKeyDictionary[Bucket, _Still] = weakref.WeakKeyDictionary()
+
+    def buffer(self, bucket: Bucket) -> torch.Tensor:
+        """The flat buffer of ``bucket``'s denominator (for a variance step to write into)."""
+        entry = self._entries.get(bucket)
+        if entry is None or entry.version != bucket.version:
+            flat = torch.empty_like(bucket.buffers["exp_avg_sq"])
+            entry = self._entries[bucket] = _Still(None, bucket.version, flat)
+        return entry.flat
+
+    def fresh(self, bucket: Bucket, eps: float, bc2: float) -> None:
+        """:meth:`buffer` holds ``sqrt(v / bc2) + eps`` of the variance just updated, not yet marked."""
+        self._entries[bucket].key = ("fresh", eps, bc2)
+
+    def get(self, bucket: Bucket, eps: float, bc2: float) -> _Still:
+        """The denominator (``flat``, and per-parameter ``views``) for ``(eps, bc2)``."""
+        key = (eps, bc2)
+        entry = self._entries.get(bucket)
+        if entry is None or entry.version != bucket.version or entry.key != key:
+            flat = self.buffer(bucket)
+            entry = self._entries[bucket]
+            v = bucket.buffers["exp_avg_sq"]
+            if entry.key != ("fresh", *key):
+                F.adam_denominator_(flat, v, *key)
+            flat.masked_fill_(F.kept_still(v, bucket.mask), float("inf"))
+            entry.views = bucket.view(flat)
+            entry.key = key
+        return entry
+
+    def forget(self) -> None:
+        self._entries.clear()
+
+
+def _int_setting(name: str) -> Setting:
+    return Setting(name, lambda value: check_int(name, value, 1))
+
+
+#: 0/1 Adam's schedule in state dicts (compression_space only when not DeepSpeed's: state dicts of
+#: the default stay as they were).
+SCHEDULE = Schedule((
+    *(_int_setting(name) for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")),
+    Setting("compression_space", partial(check_compression_space, saved=True), absent="momentum", omit="momentum")))
 
 
 class ZeroOneAdam(OnebitOptimizer):
@@ -112,19 +178,16 @@ class ZeroOneAdam(OnebitOptimizer):
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (VARIANCE.name, COMPRESSED_GRADIENT.name, LOCAL.name, SYNC.name)
     # (a sync's input comes from a local step, which changes the state: it starts in step())
     _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset({COMPRESSED_GRADIENT.name})
-    _BUFFERS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_point")
-    _LAZY: ClassVar[tuple[str, ...]] = ("momentum_accumulator", "sync_point")
-    _NONNEGATIVE: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)
-    _SCALARS: ClassVar[dict[str, float]] = {"lr_sum": 0.0}
+    # (lr_sum is shared: a sync divides by it, the same on every rank)
+    STATE: ClassVar[StateSpec] = StateSpec(
+        buffers=("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_point"), nonnegative=("exp_avg_sq",),
+        lazy=("momentum_accumulator", "sync_point"), scalars={"lr_sum": 0.0}, shared_scalars=("lr_sum",),
+        masked="exp_avg", group_keys=("lr", "betas", "eps", "weight_decay", "bias_correction"), schedule=SCHEDULE)
     _AVERAGE_UNCOMPRESSED_ALWAYS: ClassVar[bool] = True
-    _SHARED_SCALARS: ClassVar[tuple[str, ...]] = ("lr_sum",)  # a sync divides by it: the same on every rank
-    _GROUP_KEYS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction")
     CONFIG_TYPE: ClassVar[str] = "ZeroOneAdam"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
     NOT_SETTINGS: ClassVar[Mapping[str, str]] = {
         "freeze_step": "0/1 Adam has no full-precision warmup; var_freeze_step is the length of its first phase"}
-    _SCHEDULE: ClassVar[tuple[str, ...]] = ("var_freeze_step", "var_update_scaler", "local_step_scaler",
-                                            "local_step_clipper")
 
     def __init__(
         self,
@@ -152,12 +215,12 @@ class ZeroOneAdam(OnebitOptimizer):
         schedule = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                         compression_space=compression_space)
-        self._apply_schedule(self._check_schedule(schedule), log=False)
+        SCHEDULE.apply(self, SCHEDULE.check(schedule), loaded=False)
         # Per bucket: how many coordinates had a zero variance when its keep mask was last built
         # (None: not built); a variance step can only make them fewer.
         self._zero_variance: dict[int, int | None] = {}
-        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
-                        weight_decay=weight_decay, bias_correction=bias_correction)
+        self._still_denominator = StillDenominator()
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, **options)
 
     @classmethod
@@ -206,24 +269,6 @@ class ZeroOneAdam(OnebitOptimizer):
         k = variance_updates(min(t, self.var_freeze_step), self.var_update_scaler)
         return F.bias_corrections(t, k, *group["betas"], group["bias_correction"])
 
-    def _schedule_state(self) -> dict[str, Any]:
-        # (compression_space only when not DeepSpeed's: state dicts of the default stay as they were)
-        space = {} if self.compression_space == "momentum" else {"compression_space": self.compression_space}
-        return {**{key: getattr(self, key) for key in self._SCHEDULE}, **space}
-
-    def _check_schedule(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        for key in self._SCHEDULE:
-            check_int(key, meta.get(key), 1)
-        space = meta.get("compression_space", "momentum")
-        check_compression_space(space, saved=True)
-        return {**{key: meta[key] for key in self._SCHEDULE}, "compression_space": space}
-
-    def _apply_schedule(self, schedule: dict[str, Any], log: bool = True) -> None:
-        for key, value in schedule.items():
-            if log and value != getattr(self, key) and self._speaks:
-                logger.info("onebit: %s %r restored from the checkpoint (was %r)", key, value, getattr(self, key))
-            setattr(self, key, value)
-
     # ----------------------------------------------------------------- phase 1
 
     def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
@@ -234,12 +279,12 @@ class ZeroOneAdam(OnebitOptimizer):
         # v changes: the denominator is computed here once for this step and the next compressed
         # ones; the keep mask is rebuilt only if a coordinate with a zero variance got one.
         bc1, bc2 = self._bias(group, t)
-        adam_step_(bucket, group, bc1, bc2, denominator=self._denominator_buffer(bucket))
-        bucket.derived.denominator_key = ("fresh", group["eps"], bc2)  # sqrt(v / bc2) + eps, still to be marked
+        adam_step_(bucket, group, bc1, bc2, denominator=self._still_denominator.buffer(bucket))
+        self._still_denominator.fresh(bucket, group["eps"], bc2)
         known = self._zero_variance.get(id(bucket))
         if known != 0 and (known is None or known != int(torch.count_nonzero(bucket.buffers["exp_avg_sq"] == 0))
                            - (bucket.padded - bucket.numel)):  # they only become fewer: the same count, the same set
-            bucket.derived.frozen_mask_ready = False
+            bucket.forget_keep_mask()
 
     def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
         # A sync also has work for a tensor that moved on some rank since the last one (its
@@ -262,6 +307,7 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _forget(self) -> None:
         self._zero_variance.clear()
+        self._still_denominator.forget()
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
         dead = bucket.buffers["exp_avg_sq"] == 0
@@ -269,7 +315,7 @@ class ZeroOneAdam(OnebitOptimizer):
         return dead
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
-        denominator = self._denominator(bucket, group, t)
+        denominator = self._denominator(bucket, group, t).flat
         if t > self.var_freeze_step:  # a sync: the local step, then the accumulator (in momentum space)
             self._local_step(bucket, grads, group, t)
             u = bucket.buffers["momentum_accumulator"]
@@ -286,16 +332,16 @@ class ZeroOneAdam(OnebitOptimizer):
         averaged = bucket.compressed
         m = bucket.buffers["exp_avg"]
         bc1, _ = self._bias(group, t)
-        denominator = self._denominator(bucket, group, t)
+        d = self._denominator(bucket, group, t)
+        denominator = d.flat
         preconditioned = self.compression_space == "preconditioned"
         if t <= self.var_freeze_step:
             if preconditioned:  # the averaged gradient, from its average over d
                 averaged.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             m.lerp_(averaged, 1 - group["betas"][0])
-            bounded = self._bounded(bucket, group, bc1)
+            bounded = self._bounded(bucket, group, bc1, denominator)
             if bounded is None:
-                descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, group["lr"],
-                         group["weight_decay"], bc1)
+                descend_(bucket, bucket.views["exp_avg"], d.views, group["lr"], group["weight_decay"], bc1)
             else:
                 step_by_(bucket, bounded, group["lr"], group["weight_decay"], 1 / bc1)
             return
@@ -325,11 +371,7 @@ class ZeroOneAdam(OnebitOptimizer):
                     torch.div(u_view, -total / bc1, out=m_view)
                 else:  # the momentum starts afresh
                     m_view.zero_()
-        if bucket.same_dtype:
-            torch._foreach_copy_(bucket.params, bucket.views["sync_point"])
-        else:
-            for p, view in zip(bucket.params, bucket.views["sync_point"]):
-                p.copy_(view)
+        copy_to_params_(bucket, bucket.views["sync_point"])
         averaged.zero_()  # the accumulator, in place
         lr_sum.zero_()
 
@@ -347,34 +389,31 @@ class ZeroOneAdam(OnebitOptimizer):
         F.momentum_(bucket.views["exp_avg"], grads, group["betas"][0])
         if bucket.mask is not None:  # the masks' promise: the momentum is 0 there (it moves nothing either way)
             bucket.buffers["exp_avg"].mul_(bucket.mask)
-        self._denominator(bucket, group, t)
+        d = self._denominator(bucket, group, t)
         bc1, _ = self._bias(group, t)
         lr, weight_decay = group["lr"], group["weight_decay"]
         # u first: it reads the parameters before this step's update, as d does.
         u = bucket.views["momentum_accumulator"]
         if weight_decay != 0:
-            torch._foreach_add_(u, [p.float() for p in bucket.params] if not bucket.same_dtype else bucket.params,
-                                alpha=-lr * weight_decay)
-        bounded = self._bounded(bucket, group, bc1)
+            torch._foreach_add_(u, as_float(bucket.params), alpha=-lr * weight_decay)
+        bounded = self._bounded(bucket, group, bc1, d.flat)
         if bounded is None:
-            torch._foreach_addcdiv_(u, bucket.views["exp_avg"], bucket.derived.denominators, value=-lr / bc1)
-            descend_(bucket, bucket.views["exp_avg"], bucket.derived.denominators, lr, weight_decay, bc1)
+            torch._foreach_addcdiv_(u, bucket.views["exp_avg"], d.views, value=-lr / bc1)
+            descend_(bucket, bucket.views["exp_avg"], d.views, lr, weight_decay, bc1)
         else:
             torch._foreach_add_(u, bounded, alpha=-lr / bc1)
             step_by_(bucket, bounded, lr, weight_decay, 1 / bc1)
         bucket.scalars["lr_sum"].add_(lr)
 
-    def _bounded(self, bucket: Bucket, group: dict[str, Any], bc1: float) -> list[torch.Tensor] | None:
+    def _bounded(self, bucket: Bucket, group: dict[str, Any], bc1: float,
+                 denominator: torch.Tensor) -> list[torch.Tensor] | None:
         """With ``update_bound``: per parameter, ``m / d`` clamped to ``+-update_bound B bc1`` (so
         that ``(m / bc1) / d`` is within ``+-update_bound B``), in a buffer of its own; else None."""
-        if self.update_bound is None:
+        bound = F.update_bound(self.update_bound, *group["betas"])
+        if bound is None:
             return None
-        beta1, beta2 = group["betas"]
-        largest = F.adam_largest_ratio(beta1, beta2)
-        if largest is None:
-            return None
-        bound = self.update_bound * largest * bc1
-        ratio = torch.div(bucket.buffers["exp_avg"], bucket.derived.denominator, out=bucket.scratch("bounded"))
+        bound *= bc1
+        ratio = torch.div(bucket.buffers["exp_avg"], denominator, out=bucket.scratch("bounded"))
         return bucket.view(ratio.clamp_(-bound, bound))
 
     def _bounded_sync(self, bucket: Bucket, group: dict[str, Any], averaged: torch.Tensor, denominator: torch.Tensor,
@@ -383,16 +422,15 @@ class ZeroOneAdam(OnebitOptimizer):
         to what the local steps since the last sync could move it by: ``sum(lr) (update_bound B
         / bc1 + weight_decay |theta|)`` (the 1-bit average of a rare coordinate's accumulator is
         the segment's scale, which a tiny ``d`` would turn into a jump)."""
-        beta1, beta2 = group["betas"]
         move = bucket.scratch("bounded")
         if self.compression_space == "preconditioned":
             move.copy_(averaged)
         else:
             torch.div(averaged, denominator, out=move).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        largest = F.adam_largest_ratio(beta1, beta2)
-        if largest is None:
+        bound = F.update_bound(self.update_bound, *group["betas"])
+        if bound is None:
             return move
-        bound = self.update_bound * largest / bc1
+        bound /= bc1
         limit = bucket.scratch("limit")
         torch.mul(bucket.buffers["sync_point"].abs(), group["weight_decay"], out=limit).add_(bound)
         for total, view in zip(totals, bucket.view(limit)):
@@ -423,26 +461,6 @@ class ZeroOneAdam(OnebitOptimizer):
             logger.info("onebit: step %d: variance frozen; local steps with 1-bit syncs from now on",
                         self._step + 1)
 
-    def _denominator_buffer(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.derived.denominator is None:
-            bucket.derived.denominator = torch.empty_like(bucket.buffers["exp_avg_sq"])
-        return bucket.derived.denominator
-
-    def _denominator(self, bucket: Bucket, group: dict[str, Any], t: int) -> torch.Tensor:
-        """The flat ``sqrt(v / bc2) + eps`` (computed again when ``v`` changes or after a load), with
-        its views in ``bucket.derived.denominators``. It is ``+inf`` where the momentum must not move the
-        parameters (masked coordinates, and zero-variance ones, whose 1-bit average cannot be 0):
-        their updates ``m / denominator`` are 0 on every step, local ones too, at no cost per step."""
-        key = (group["eps"], self._bias(group, t)[1])
-        if bucket.derived.denominator_key != key or bucket.derived.denominator is None:
-            v = bucket.buffers["exp_avg_sq"]
-            denominator = self._denominator_buffer(bucket)
-            if bucket.derived.denominator_key != ("fresh", *key):
-                F.adam_denominator_(denominator, v, *key)
-            still = v == 0
-            if bucket.mask is not None:
-                still |= bucket.mask == 0
-            denominator.masked_fill_(still, float("inf"))
-            bucket.derived.denominators = bucket.view(denominator)
-            bucket.derived.denominator_key = key
-        return bucket.derived.denominator
+    def _denominator(self, bucket: Bucket, group: dict[str, Any], t: int) -> _Still:
+        """Step ``t``'s denominator of ``bucket`` (see :class:`StillDenominator`)."""
+        return self._still_denominator.get(bucket, group["eps"], self._bias(group, t)[1])

@@ -85,7 +85,7 @@ def _state_copy(opt, p) -> dict[str, Any]:
     """The state of ``p``, less the scalars that advance with the step on every rank whatever the
     gradients (0/1 Adam's sum of learning rates since the last sync)."""
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()
-            if k not in opt._SHARED_SCALARS}
+            if k not in opt.STATE.shared_scalars}
 
 
 def _same_state(after: dict[str, Any], before: dict[str, Any]) -> bool:

@@ -51,7 +51,7 @@ def _none_grads(cls, rank: int) -> dict:
             if rank == 1:
                 model[2].bias.grad = None
         before = clone_params(model[0].parameters())
-        state = [{k: v.clone() for k, v in opt.state[p].items() if k not in opt._SHARED_SCALARS}
+        state = [{k: v.clone() for k, v in opt.state[p].items() if k not in opt.STATE.shared_scalars}
                  for p in model[0].parameters()]
         opt.step()
         untouched.append(t == 1 or (

@@ -17,6 +17,7 @@ from conftest import seeded_params
 from distributed import run_ranks
 from onebit import LocalBackend, OnebitAdam, OnebitLamb, OnebitOptimizer, StepPlan
 from onebit.buckets import Bucket
+from onebit.spec import StateSpec
 from onebit.testing import simulate_compressed_allreduce
 
 PACKAGE = Path(onebit.__file__).resolve().parent
@@ -28,8 +29,7 @@ class CompressedSGD(OnebitOptimizer):
     averages in full precision. ``p -= lr * g``."""
 
     PLAN_NAMES = ("full", "compressed", "local")
-    _BUFFERS = ("grad_copy",)
-    _MASKED = "grad_copy"
+    STATE = StateSpec(buffers=("grad_copy",), masked="grad_copy")
 
     def __init__(self, params, lr=0.1, period=2, **options):
         self.period = period
@@ -218,3 +218,26 @@ def test_pack_keep_is_pack_signs_of_the_keep_signs():
     for n in (8, 64, 8 * 1001):
         keep = torch.rand(n, generator=gen) < 0.7
         assert torch.equal(pack_keep(keep), pack_signs(torch.where(keep, 1.0, -1.0)))
+
+
+@pytest.mark.parametrize("declared, message", [
+    (dict(buffers=("m",), lazy=("v",)), r"lazy \('v',\) must be among \('m',\)"),
+    (dict(buffers=("m",), nonnegative=("v",)), r"nonnegative \('v',\) must be among \('m',\)"),
+    (dict(scalars={"s": 0.0}, shared_scalars=("t",)), r"shared_scalars \('t',\) must be among \('s',\)"),
+    (dict(buffers=("m", "v"), lazy=("v",), masked="v"), r"masked='v' must be one of the buffers that always exist"),
+])
+def test_a_state_spec_refuses_declarations_that_disagree(declared, message):
+    with pytest.raises(ValueError, match=message):
+        StateSpec(**declared)
+
+
+def test_every_optimizer_declares_its_state_in_one_spec():
+    for cls in OnebitOptimizer.registered().values():
+        spec = cls.STATE
+        assert isinstance(spec, StateSpec) and spec.masked == "exp_avg" and "exp_avg_sq" in spec.nonnegative
+        assert not any(hasattr(cls, name) for name in ("_BUFFERS", "_LAZY", "_SCALARS", "_GROUP_KEYS", "_schedule_state"))
+        params = seeded_params((3, 4))
+        opt = cls(params, lr=0.1, comm_backend_name="local")
+        assert set(opt.state[params[0]]) == set(spec.eager) | set(spec.scalars)
+        saved = spec.schedule.check(opt.state_dict()["param_groups"][0]["onebit"])  # what it saves, it reads back
+        assert saved == {s.attribute: getattr(opt, s.attribute) for s in spec.schedule.settings}
