@@ -236,7 +236,8 @@ class OnebitDiLoCo(OnebitOptimizer):
         for p, mi, d, size in zip(params, m, denominators, step_sizes):
             p.add_(torch.div(mi, d).mul_(size).to(p.dtype))
 
-    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int,
+                        staged: bool = False) -> torch.Tensor:
         """The outer step's input: the inner step, then ``delta = global_params - params`` (0 in
         the padding)."""
         if not self._start_checked:

@@ -170,8 +170,8 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     #: Settings of other optimizers that are not this one's, refused with the reason.
     NOT_SETTINGS: ClassVar[Mapping[str, str]] = {}
     _REGISTRY: ClassVar[dict[str, type[OnebitOptimizer]]] = {}
-    # Compressed plans whose _compress_input leaves the state untouched when self._staging is set
-    # (writing what it computes to buffers of its own): overlap_backward starts them during backward.
+    # Compressed plans whose _compress_input(..., staged=True) leaves the state untouched (writing
+    # what it computes to buffers of its own): overlap_backward starts them during backward.
     _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset()
     _DOUBLE_CHECKS: ClassVar[int] = DOUBLE_AVERAGE_CHECKS
 
@@ -219,7 +219,6 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         self._compressed_steps = 0  # counts the health checks' interval
         self._timed = StepTimers()
         self._backend: InstrumentedBackend | None = None
-        self._staging = False  # _compress_input must leave the state as it is (see onebit.overlap)
         self._overlap: Overlap | None = None
         self._round: Round | None = None  # the round backward began for the coming step (overlap_backward)
         self._told_changed = False  # the warning that a round was redone, said once
@@ -284,9 +283,12 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         """Update from the bucket's averaged gradient (``bucket.averaged_grad()``)."""
         raise NotImplementedError
 
-    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int,
+                        staged: bool = False) -> torch.Tensor:
         """Prepare and return the flat buffer (``bucket.padded`` elements) whose 1-bit average this
-        step needs; it is replaced by that average in place. ``grads``: local, None for zero."""
+        step needs; it is replaced by that average in place. ``grads``: local, None for zero.
+        ``staged`` (only for the plans in ``_STAGED_PLANS``): leave the state as it is, writing
+        what it computes to buffers of its own (``overlap_backward`` starts it during backward)."""
         raise NotImplementedError
 
     def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:

@@ -206,13 +206,14 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                 f"; {dead} coordinates with zero variance keep a zero momentum" if dead else "",
             )
 
-    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int,
+                        staged: bool = False) -> torch.Tensor:
         """The momentum, updated with the local gradients (the variance stays frozen); its
         average is decoded into ``exp_avg``. Staged (``overlap_backward``): the new momentum is a
         copy, ``exp_avg`` stays as it is until the average is decoded into it. (With
         ``compression_space="preconditioned"`` the codec averages it times ``1 / d``: see
         :meth:`_codec_multipliers`.)"""
-        if self._staging:
+        if staged:
             momentum = bucket.scratch("staged")
             F.momentum_into_(bucket.view(momentum), bucket.views["exp_avg"], grads, group["betas"][0])
             return momentum

@@ -230,10 +230,11 @@ class OnebitLamb(FrozenVarianceOptimizer):
                     denominator = self._frozen_denominator.get(bucket, eps).flat
                     torch.div(bucket.buffers["exp_avg"], denominator, out=bucket.buffers["smoothed_update"])
 
-    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int,
+                        staged: bool = False) -> torch.Tensor:
         if self.trust_ratio == "frozen":
             bucket.scratch("prev").copy_(bucket.buffers["exp_avg"])
-        return super()._compress_input(bucket, grads, group, t)
+        return super()._compress_input(bucket, grads, group, t, staged)
 
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         super()._on_compression(buckets, keeps, t, dead)

@@ -131,12 +131,8 @@ class Steps:
     def _stage(self, bucket: Bucket, grads: list[torch.Tensor | None], t: int) -> None:
         """Compress ``bucket``'s input for step ``t`` without changing the state, and start its
         worker stage (``overlap_backward``; the caller kept the worker error)."""
-        self._staging = True
-        try:
-            with self._timed("compress_input"):
-                bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], t)
-        finally:
-            self._staging = False
+        with self._timed("compress_input"):
+            bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], t, staged=True)
         start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket), staged=True,
                       multiplier=_into(self._codec_multipliers(bucket)), bound=self._codec_bound(bucket, t))
         bucket.compressed = self._decode_target(bucket)

@@ -314,7 +314,8 @@ class ZeroOneAdam(OnebitOptimizer):
         self._zero_variance[id(bucket)] = int(torch.count_nonzero(dead)) - (bucket.padded - bucket.numel)
         return dead
 
-    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> torch.Tensor:
+    def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int,
+                        staged: bool = False) -> torch.Tensor:
         denominator = self._denominator(bucket, group, t).flat
         if t > self.var_freeze_step:  # a sync: the local step, then the accumulator (in momentum space)
             self._local_step(bucket, grads, group, t)

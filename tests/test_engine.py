@@ -43,7 +43,7 @@ class CompressedSGD(OnebitOptimizer):
     def _update_averaged(self, bucket: Bucket, group, t):
         torch._foreach_add_(bucket.params, bucket.view(bucket.averaged_grad()), alpha=-group["lr"])
 
-    def _compress_input(self, bucket: Bucket, grads, group, t):
+    def _compress_input(self, bucket: Bucket, grads, group, t, staged=False):
         buffer = bucket.buffers["grad_copy"]
         for view, g in zip(bucket.views["grad_copy"], grads):
             view.copy_(g) if g is not None else view.zero_()
