@@ -91,6 +91,24 @@ def test_mask_tokens_is_bert_masking():
 # ----------------------------------------------------------------------------- 2-rank runs
 
 
+def _micro_run(tmp_path: Path, *config: str, eval_every: int = 5) -> list[str]:
+    """pretrain.py's arguments for a few steps of the micro model on a slice of the pydoc corpus."""
+    return [*config, "--corpus", "pydoc", "--limit-chars", "80000", "--vocab-size", "512", "--model", "micro",
+            "--seq-len", "32", "--batch-size", "8", "--lr-warmup", "2", "--eval-every", str(eval_every),
+            "--log-every", "1", "--checkpoint-every", "3", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+
+
+def _resumes_between_syncs(common: list[str], full: Path, resumed: Path, stop_at: int, summary: dict) -> None:
+    """A run stopped after ``stop_at`` (its ranks apart) and resumed ends as the full run did."""
+    bert_compare.launch([*common, "--out", str(resumed), "--stop-at", str(stop_at)], 2, resumed,
+                        timeout=RUN_TIMEOUT_S, quiet=True)
+    assert json.loads((resumed / "summary.json").read_text())["replicas_identical"] is False
+    bert_compare.launch([*common, "--out", str(resumed), "--resume"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
+    again = json.loads((resumed / "summary.json").read_text())
+    assert again["final_val_loss"] == summary["final_val_loss"] and again["status"] == "finished"
+    assert [r["loss"] for r in _records(resumed, "train")] == [r["loss"] for r in _records(full, "train")]
+
+
 def _records(run_dir: Path, event: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["event"] == event]
@@ -489,12 +507,7 @@ def test_pretrain_two_ranks_zerooneadam_local_steps_and_resume_between_syncs(tmp
     # fewer bytes than a float32 all-reduce.
     assert stats["variance"]["bytes_sent"] / 4 > 15 * stats["sync"]["bytes_sent"] / 3
 
-    bert_compare.launch([*common, "--out", str(resumed), "--stop-at", "9"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
-    assert json.loads((resumed / "summary.json").read_text())["replicas_identical"] is False
-    bert_compare.launch([*common, "--out", str(resumed), "--resume"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
-    again = json.loads((resumed / "summary.json").read_text())
-    assert again["final_val_loss"] == summary["final_val_loss"] and again["status"] == "finished"
-    assert [r["loss"] for r in _records(resumed, "train")] == [r["loss"] for r in _records(full, "train")]
+    _resumes_between_syncs(common, full, resumed, 9, summary)
 
 
 @pytest.mark.slow
@@ -503,12 +516,8 @@ def test_pretrain_two_ranks_diloco_counts_its_bits_and_resumes_between_outer_ste
     inner steps send nothing; summary.json's bits_per_parameter_step is rank 0's bytes over the
     run x 8 / (parameters x steps); a run stopped after step 6 (between outer steps, ranks apart)
     resumes bit for bit through onebit.save_checkpoint's exact resume."""
-    common = [
-        "--config", str(EXAMPLE / "configs" / "diloco_gloo.json"), "--sync-every", "4", "--steps", "10",
-        "--corpus", "pydoc", "--limit-chars", "80000", "--vocab-size", "512", "--model", "micro", "--seq-len", "32",
-        "--batch-size", "8", "--lr-warmup", "2", "--eval-every", "5", "--log-every", "1", "--checkpoint-every", "3",
-        "--cache-dir", str(tmp_path / "cache"), "--no-progress",
-    ]
+    common = _micro_run(tmp_path, "--config", str(EXAMPLE / "configs" / "diloco_gloo.json"), "--sync-every", "4",
+                        "--steps", "10")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     bert_compare.launch([*common, "--out", str(full)], 2, full, timeout=RUN_TIMEOUT_S, quiet=True)
     summary = json.loads((full / "summary.json").read_text())
@@ -521,12 +530,7 @@ def test_pretrain_two_ranks_diloco_counts_its_bits_and_resumes_between_outer_ste
     bits = sum(summary["bytes_sent"].values()) * 8 / (summary["num_params"] * 10)
     assert summary["bits_per_parameter_step"] == bits and 0.1 < bits < 0.5  # ~1 bit per parameter, 2 of 10 steps
 
-    bert_compare.launch([*common, "--out", str(resumed), "--stop-at", "6"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
-    assert json.loads((resumed / "summary.json").read_text())["replicas_identical"] is False
-    bert_compare.launch([*common, "--out", str(resumed), "--resume"], 2, resumed, timeout=RUN_TIMEOUT_S, quiet=True)
-    again = json.loads((resumed / "summary.json").read_text())
-    assert again["final_val_loss"] == summary["final_val_loss"] and again["status"] == "finished"
-    assert [r["loss"] for r in _records(resumed, "train")] == [r["loss"] for r in _records(full, "train")]
+    _resumes_between_syncs(common, full, resumed, 6, summary)
 
 
 def test_run_status_trusts_no_non_finite_final_loss():
