@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import onebit
 from conftest import tiny_mlp
 from distributed import run_ranks
 from onebit import OnebitAdam
@@ -249,3 +250,29 @@ def test_padded_length_rule():
     assert padded_length(1000, 2) == 1008
     assert padded_length(1008, 3) == 1008
     assert padded_length(0, 4) == 32
+
+
+def _local_in_a_job(rank: int, world_size: int) -> dict:
+    """comm_backend_name='local' inside a job of several ranks (what the one-process snippets of the
+    docs say): refused with the fix; an explicit LocalBackend() trains alone, as asked."""
+    try:
+        onebit.OnebitAdam(_model().parameters(), comm_backend_name="local")
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    alone = onebit.OnebitAdam(_model().parameters(), backend=onebit.LocalBackend())
+    return {"refused": refused, "alone": alone.backend.world_size}
+
+
+@pytest.mark.slow
+def test_local_backend_by_name_is_refused_in_a_job_of_several_ranks(tmp_path, monkeypatch):
+    """Issue 44, row 1: ranks 7e-2 apart after 8 steps, silently, before."""
+    for result in run_ranks(_local_in_a_job, 2, tmp_path):
+        assert result["refused"] == (
+            "comm_backend_name='local' trains each rank alone, but the default process group has 2 processes: omit "
+            "comm_backend_name to average over the default process group, or pass 'gloo', 'nccl' or 'mpi'; to "
+            "train every rank alone on purpose, pass backend=onebit.LocalBackend()")
+        assert result["alone"] == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a launcher's job before init_process_group
+    with pytest.raises(ValueError, match=r"but the launcher reports 4 processes: omit comm_backend_name"):
+        onebit.OnebitAdam(_model().parameters(), comm_backend_name="local")

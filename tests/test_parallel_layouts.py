@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from conftest import LogMessages, tiny_mlp
 from distributed import run_ranks
-from onebit import (OnebitAdam, OnebitLamb, ZeroOneAdam, load_compression_errors, save_checkpoint,
+from onebit import (LocalBackend, OnebitAdam, OnebitLamb, ZeroOneAdam, load_compression_errors, save_checkpoint,
                     save_compression_errors)
 
 pytestmark = pytest.mark.slow
@@ -136,7 +136,7 @@ def _hsdp(rank: int, world: int) -> dict:
     result["state_shapes"] = [tuple(opt.state[p]["exp_avg"].shape) for p in model.parameters()]
     result["state_bytes"] = _state_bytes(opt)
     full = _mlp()
-    result["unsharded_state_bytes"] = _state_bytes(OnebitAdam(full.parameters(), comm_backend_name="local"))
+    result["unsharded_state_bytes"] = _state_bytes(OnebitAdam(full.parameters(), backend=LocalBackend()))
 
     # torch.optim's conventions on shards: a live load of its own state_dict continues bit for bit (errors
     # restored); a parameter without a gradient is left alone with its state

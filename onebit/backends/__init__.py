@@ -37,6 +37,21 @@ def _expected_world_size() -> int:
     return 1
 
 
+def _refuse_local_in_a_job() -> None:
+    """``comm_backend_name='local'`` in a job of several processes would let each rank train alone,
+    silently: refused, naming the fix (an explicit ``backend=LocalBackend()`` is how to mean it)."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else _expected_world_size()
+    if world > 1:
+        where = "the default process group has" if initialized else "the launcher reports"
+        raise ValueError(
+            f"comm_backend_name='local' trains each rank alone, but {where} {world} processes: omit "
+            "comm_backend_name to average over the default process group, or pass 'gloo', 'nccl' or 'mpi'; "
+            "to train every rank alone on purpose, pass backend=onebit.LocalBackend()")
+
+
 def resolve_backend(
     comm_backend_name: str | None = None,
     backend: CommBackend | None = None,
@@ -50,7 +65,8 @@ def resolve_backend(
     * ``comm_backend_name`` in ``'gloo'``, ``'nccl'``, ``'hccl'``: the initialized torch.distributed
       process group (``group``, default the default group), which must use that backend.
     * ``'mpi'``: mpi4py's ``COMM_WORLD`` (or ``group``, an mpi4py communicator).
-    * ``'local'``: one process, world size 1.
+    * ``'local'``: one process, world size 1 (refused in a job of several processes: each rank
+      would train alone; ``backend=LocalBackend()`` says so on purpose).
     * ``None``: the default process group if torch.distributed is initialized, else ``'local'``
       when the launcher reports a single process; a multi-process launch without an initialized
       process group raises instead of letting ranks train apart.
@@ -84,6 +100,7 @@ def resolve_backend(
     if name == "local":
         if group is not None:
             raise ValueError("comm_backend_name='local' takes no process group")
+        _refuse_local_in_a_job()
         return LocalBackend()
     if name in _TORCH_DIST_NAMES:
         from .torch_dist import TorchDistBackend
