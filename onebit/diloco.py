@@ -122,6 +122,7 @@ class OnebitDiLoCo(OnebitOptimizer):
         buffers=("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer"), nonnegative=("exp_avg_sq",),
         scalars={"inner_step": 0.0}, masked="exp_avg",
         group_keys=("lr", "betas", "eps", "weight_decay", "bias_correction"), schedule=SCHEDULE)
+    _CHECK_UNAVERAGED: ClassVar[bool] = True  # (a forgotten adapter is said in the first steps)
     CONFIG_TYPE: ClassVar[str] = "OneBitDiLoCo"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
     NOT_SETTINGS: ClassVar[Mapping[str, str]] = {

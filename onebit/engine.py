@@ -174,6 +174,8 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     # what it computes to buffers of its own): overlap_backward starts them during backward.
     _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset()
     _DOUBLE_CHECKS: ClassVar[int] = DOUBLE_AVERAGE_CHECKS
+    # Plans that never average gradients: the first steps look for a framework averaging them anyway.
+    _CHECK_UNAVERAGED: ClassVar[bool] = False
 
     # torch.amp.GradScaler: set ``grad_scale``/``found_inf`` on the optimizer and always call step().
     _step_supports_amp_scaling = True

@@ -208,6 +208,9 @@ class Steps:
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         with self._timed("gather_grads"):
             grads = [r.grads[id(b)] if r.started(b) else grads_of(b, b in averaged, inv_scale) for b in self._buckets]
+        if (self._CHECK_UNAVERAGED and self._backend.world_size > 1 and not self._gradients_averaged
+                and self._double_checks < self._DOUBLE_CHECKS):
+            self._check_unaveraged(grads, t)
         try:
             verdict, absent = self._agree(plan, t, r, grads, compressed, averaged, reduced)
         except _Redo:  # some rank's gradients changed after backward started their buckets
@@ -338,28 +341,45 @@ class Steps:
             same = all(torch.allclose(x, a, rtol=1e-6, atol=0.0) for x, a in zip(local, averaged))
         else:
             same = self._same_on_every_rank(local)
+        self._say_double(same, t, "so every warmup step averages them twice, and the compression steps still send "
+                         "them in full precision")
+
+    def _check_unaveraged(self, grads: list[list[torch.Tensor | None]], t: int) -> None:
+        """For an algorithm whose plans never average gradients (``_CHECK_UNAVERAGED``, e.g. DiLoCo),
+        on the first DOUBLE_AVERAGE_CHECKS steps of several ranks without an adapter: whether a
+        framework averaged them anyway (equal gradients on every rank; one 32-byte all-reduce)."""
+        local = [g.reshape(-1) for bucket_grads in grads for g in bucket_grads if g is not None]
+        self._double_checks += 1
+        same, anywhere = self._same_on_every_rank(local, anywhere=True)
+        if anywhere:  # (no gradient on any rank: nothing to tell)
+            self._say_double(same, t, "so every step sends the full gradient besides what the optimizer sends, and "
+                                      "every rank trains on the same average")
+
+    def _say_double(self, same: bool, t: int, consequence: str) -> None:
+        """Said (or raised, with ``divergence='raise'``) once, when the gradients were ``same``."""
         self._health.flag(
             "double", same,
             lambda: f"step {t}: the gradients were the same on all {self._backend.world_size} ranks before "
-            f"{type(self).__name__} averaged them: a framework averages them already (DDP, Lightning, Accelerate, "
-            "the DeepSpeed engine), so every warmup step averages them twice, and the compression steps still send "
-            "them in full precision. Call its onebit adapter after building the optimizer: "
+            f"{type(self).__name__} used them: a framework averages them already (DDP, Lightning, Accelerate, "
+            f"the DeepSpeed engine), {consequence}. Call its onebit adapter after building the optimizer: "
             "onebit.integrations.attach_ddp(ddp_model, optimizer), Trainer(callbacks=[OnebitCallback()]), "
             "attach_accelerate(model, optimizer), attach_deepspeed(engine) or attach_trainer(trainer). (If every "
             "rank really trains on the same data, ignore this: data parallelism then gains nothing.)",
             self._backend.rank)
 
-    def _same_on_every_rank(self, local: list[torch.Tensor]) -> bool:
+    def _same_on_every_rank(self, local: list[torch.Tensor], anywhere: bool = False) -> bool | tuple[bool, bool]:
         """Whether every rank had the same gradients, for :meth:`_double_check` with
         ``reduce_dtype``: its averages come back rounded (by more as ranks are added), so they
         cannot be compared with a rank's own. Instead each rank's sum and sum of squares, and their
         squares, are averaged in float64 (one 32-byte all-reduce, on these few steps only): zero
-        variance across ranks, decided from the same numbers on every rank."""
+        variance across ranks, decided from the same numbers on every rank. ``anywhere``: also
+        whether some rank has a gradient that is not 0."""
         s1 = sum(float(x.sum(dtype=torch.float64)) for x in local)
         s2 = sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in local)
         digest = torch.tensor([s1, s2, s1 * s1, s2 * s2], dtype=torch.float64, device=self._device())
         m1, m2, q1, q2 = self._backend.all_reduce_mean_(digest).tolist()
-        return all(q - m * m <= 1e-12 * q for m, q in ((m1, q1), (m2, q2)))
+        same = all(q - m * m <= 1e-12 * q for m, q in ((m1, q1), (m2, q2)))
+        return (same, m2 > 0) if anywhere else same
 
     def _update(self, r: Round, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
                 averaged: list[Bucket]) -> None:

@@ -144,8 +144,10 @@ def test_every_rank_follows_the_simulation(ranks):
         assert same == (t % H == 0), t  # bit-identical after every outer step, apart between
         assert results[0]["identical"][t - 1] == (t % H == 0)
     sent = results[0]["sent"]
-    # Inner steps send nothing (the first only the layout check's 8-byte all-gather).
-    assert sent[0] == 8 * (world_size - 1) and all((s > 0) == (t % H == 0) for t, s in enumerate(sent[1:], start=2)), sent
+    # Inner steps send nothing, but for the first two: the layout check's 8-byte all-gather (step 1)
+    # and the 32-byte digest that looks for a framework averaging the gradients (steps 1 and 2).
+    assert 0 < sent[0] < 100 and 0 < sent[1] < 100, sent
+    assert all((s > 0) == (t % H == 0) for t, s in enumerate(sent[2:], start=3)), sent
     numel = sum(p.numel() for p in _model().parameters())
     # A 1-bit all-reduce: about 2 (n - 1) / n bits per element (padding and scales on top).
     assert max(sent) < numel * 2 * (world_size - 1) / world_size / 8 + 200
