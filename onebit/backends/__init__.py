@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch.distributed
 
@@ -52,6 +53,35 @@ def _refuse_local_in_a_job() -> None:
             "to train every rank alone on purpose, pass backend=onebit.LocalBackend()")
 
 
+def _given(backend: Any, comm_backend_name: Any, cuda_aware: bool) -> CommBackend:
+    """A ``backend=`` object, used as it is."""
+    if comm_backend_name is not None:
+        raise ValueError(
+            f"pass either backend= or comm_backend_name=, not both (got comm_backend_name={comm_backend_name!r})"
+        )
+    if not isinstance(backend, CommBackend):
+        raise TypeError(f"backend must be a onebit.backends.CommBackend, got {type(backend).__name__}")
+    if cuda_aware:
+        raise ValueError("cuda_aware=True applies only to comm_backend_name='mpi'; configure a custom backend itself")
+    return backend
+
+
+def _checked_name(comm_backend_name: Any, cuda_aware: bool) -> str | None:
+    """``comm_backend_name`` in lower case (None stays None), checked with ``cuda_aware``."""
+    if comm_backend_name is not None and not isinstance(comm_backend_name, str):
+        raise TypeError(f"comm_backend_name must be a string, got {type(comm_backend_name).__name__}")
+    name = comm_backend_name.lower() if comm_backend_name is not None else None
+    if name is not None and name not in BACKEND_NAMES:
+        valid = ", ".join(repr(n) for n in BACKEND_NAMES)
+        raise ValueError(f"unknown comm_backend_name {comm_backend_name!r}; expected one of {valid}")
+    if cuda_aware and name != "mpi":
+        raise ValueError(
+            f"cuda_aware=True applies only to comm_backend_name='mpi' (got {comm_backend_name!r}); "
+            "torch.distributed backends move device buffers themselves: leave cuda_aware=False"
+        )
+    return name
+
+
 def resolve_backend(
     comm_backend_name: str | None = None,
     backend: CommBackend | None = None,
@@ -73,26 +103,8 @@ def resolve_backend(
     """
     group = mesh_group(group)  # a 1-D DeviceMesh: its process group
     if backend is not None:
-        if comm_backend_name is not None:
-            raise ValueError(
-                f"pass either backend= or comm_backend_name=, not both (got comm_backend_name={comm_backend_name!r})"
-            )
-        if not isinstance(backend, CommBackend):
-            raise TypeError(f"backend must be a onebit.backends.CommBackend, got {type(backend).__name__}")
-        if cuda_aware:
-            raise ValueError("cuda_aware=True applies only to comm_backend_name='mpi'; configure a custom backend itself")
-        return backend
-    if comm_backend_name is not None and not isinstance(comm_backend_name, str):
-        raise TypeError(f"comm_backend_name must be a string, got {type(comm_backend_name).__name__}")
-    name = comm_backend_name.lower() if comm_backend_name is not None else None
-    if name is not None and name not in BACKEND_NAMES:
-        valid = ", ".join(repr(n) for n in BACKEND_NAMES)
-        raise ValueError(f"unknown comm_backend_name {comm_backend_name!r}; expected one of {valid}")
-    if cuda_aware and name != "mpi":
-        raise ValueError(
-            f"cuda_aware=True applies only to comm_backend_name='mpi' (got {comm_backend_name!r}); "
-            "torch.distributed backends move device buffers themselves: leave cuda_aware=False"
-        )
+        return _given(backend, comm_backend_name, cuda_aware)
+    name = _checked_name(comm_backend_name, cuda_aware)
     if name == "mpi":
         from .mpi import MPIBackend
 
