@@ -174,6 +174,22 @@ def _real_string(text: str) -> bool:
     return True
 
 
+def _optimizer_type(kind: Any) -> tuple[str, type[OnebitOptimizer]]:
+    """The registered name (case-insensitive) and class of the config's ``optimizer.type``."""
+    if not isinstance(kind, str):
+        raise TypeError(f"optimizer.type must be a string, got {kind!r} of type {type(kind).__name__}")
+    types = OnebitOptimizer.registered()
+    matches = [name for name in types if name.lower() == kind.lower()]
+    if not matches:
+        *first, last = [repr(name) for name in types]
+        names = f"{', '.join(first)} or {last}"
+        raise ValueError(
+            f"unsupported optimizer type {kind!r}; onebit builds {names} (case-insensitive): "
+            f"set \"type\": \"{OPTIMIZER_TYPE}\", for example, or build {kind!r} another way"
+        )
+    return matches[0], types[matches[0]]
+
+
 def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[type[OnebitOptimizer], dict[str, Any], list[str]]:
     """Validate a (whole) config; return the optimizer class its optimizer section names, the
     keyword arguments found there, and the names of the other top-level sections (not read by
@@ -197,20 +213,7 @@ def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[type[OnebitOptimizer], 
         raise ValueError(f"unknown keys {extra} in the 'optimizer' section; it takes only 'type' and 'params'")
     if "type" not in section:
         raise ValueError(f"the 'optimizer' section has no 'type'; set \"type\": \"{OPTIMIZER_TYPE}\"")
-    kind = section["type"]
-    if not isinstance(kind, str):
-        raise TypeError(f"optimizer.type must be a string, got {kind!r} of type {type(kind).__name__}")
-    types = OnebitOptimizer.registered()
-    matches = [name for name in types if name.lower() == kind.lower()]
-    if not matches:
-        *first, last = [repr(name) for name in types]
-        names = f"{', '.join(first)} or {last}"
-        raise ValueError(
-            f"unsupported optimizer type {kind!r}; onebit builds {names} (case-insensitive): "
-            f"set \"type\": \"{OPTIMIZER_TYPE}\", for example, or build {kind!r} another way"
-        )
-    kind = matches[0]
-    cls = types[kind]
+    kind, cls = _optimizer_type(section["type"])
     keys, ignored, foreign = config_keys(cls), cls.DEEPSPEED_REFUSED, cls.NOT_SETTINGS
     params = section.get("params", {})
     if params is None:
