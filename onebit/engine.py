@@ -492,6 +492,13 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     def overlap_backward(self) -> bool:
         return self._overlap is not None
 
+    @property
+    def overlap_redone(self) -> bool:
+        """Whether some step redid the communication that backward had started, because the
+        gradients changed between backward and ``step()`` (``overlap_backward``; said once in a
+        warning, see :mod:`onebit.overlap`)."""
+        return self._told_changed
+
     def set_accumulation_boundary(self, boundary: Callable[[], bool] | None) -> None:
         """With ``overlap_backward=True``: ``boundary()`` says whether the backward running now ends a
         gradient accumulation (e.g. the DeepSpeed engine's ``is_gradient_accumulation_boundary``);

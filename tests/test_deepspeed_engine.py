@@ -147,7 +147,7 @@ def _engine_run(counter, rank, name, kwargs, gas, steps, config, checkpoints=Non
     record["stats"] = opt.comm_stats()
     # overlap_backward: whether step() had to redo what a backward started (it must not: the
     # micro-batches before the boundary start nothing)
-    record["redone"] = opt.overlap_backward and opt._told_changed
+    record["redone"] = opt.overlap_redone
     if checkpoints is not None:  # back to warmup through DeepSpeed's own checkpoint: the flag follows
         flag_before = engine.enable_backward_allreduce
         engine.load_checkpoint(checkpoints, tag="step1")

@@ -105,7 +105,7 @@ def train_accelerate(args, rank: int, counter: GradientCollectives) -> dict:
     onebit_optimizer = optimizer.optimizer
     return {"plans": plans, "collectives": collectives, "trajectory": trajectory, "stats": onebit_optimizer.comm_stats(),
             # overlap: whether a step had to redo what a backward started (accelerate's no_sync should prevent it)
-            "redone": onebit_optimizer.overlap_backward and onebit_optimizer._overlap._told}
+            "redone": onebit_optimizer.overlap_redone}
 
 
 def train_plain(args, rank: int) -> list:
