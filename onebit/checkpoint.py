@@ -146,6 +146,21 @@ def _clean(path: Path, kind: str, keep: set[str]) -> None:
                 pass
 
 
+def _write_rank_part(path: Path, optimizer: OnebitOptimizer, model: torch.nn.Module | None, part_id: str) -> str:
+    """This rank's part of an exact-resume save (its compression errors; with ``model``, its own
+    optimizer and model state too); returns its digest."""
+    backend = optimizer.backend
+    errors = [(w.cpu().clone(), s.cpu().clone()) for w, s in optimizer.compression_errors()]
+    part = {"format": _FILE_MARKER + "-rank", "world_size": backend.world_size, "rank": backend.rank,
+            "step": optimizer.step_count, "layout": optimizer.layout_digest(), "errors": errors}
+    if model is not None:
+        part["optimizer"] = optimizer.state_dict()
+        part["model"] = _model_state(model)
+    data = _serialize(part)
+    _atomic_write(data, _part_path(path, f"rank{backend.rank}", part_id))
+    return hashlib.sha256(data).hexdigest()
+
+
 def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, model: torch.nn.Module | None = None,
                     extra: dict[str, Any] | None = None, exact_resume: bool = False) -> None:
     """Save a checkpoint, all or nothing (see the module docstring): rank 0's state part (the
@@ -175,17 +190,7 @@ def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
                          f"(between the syncs of {type(optimizer).__name__}), so every rank must save its own; "
                          "pass model=model to save_checkpoint")
     part_id = secrets.token_hex(_ID_BYTES)
-    digest = None
-    if exact_resume:
-        errors = [(w.cpu().clone(), s.cpu().clone()) for w, s in optimizer.compression_errors()]
-        part = {"format": _FILE_MARKER + "-rank", "world_size": n, "rank": rank, "step": optimizer.step_count,
-                "layout": optimizer.layout_digest(), "errors": errors}
-        if own:
-            part["optimizer"] = optimizer.state_dict()
-            part["model"] = _model_state(model)
-        data = _serialize(part)
-        digest = hashlib.sha256(data).hexdigest()
-        _atomic_write(data, _part_path(path, f"rank{rank}", part_id))
+    digest = _write_rank_part(path, optimizer, model if own else None, part_id) if exact_resume else None
     if rank == 0:
         state = _serialize({
             "format": _FILE_MARKER + "-state",

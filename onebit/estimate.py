@@ -379,15 +379,30 @@ def estimate_speedup(
     if backward_s is not None and not overlap_backward:
         raise ValueError("backward_s applies only with overlap_backward=True; drop it or pass overlap_backward=True")
     backward_s = compute_s * 2 / 3 if backward_s is None else _real("backward_s", backward_s, positive=False)
+    codec_gbps, adam_step_s, onebit_step_s = _local_costs(num_params, n, codec_gbps, adam_step_s, onebit_step_s)
+    return _speedup(num_params, n, bandwidth, efficiency, compute_s, latency_s, reduce_gbps, buckets,
+                    backward_s if overlap_backward else None, codec_gbps, adam_step_s, onebit_step_s)
+
+
+def _local_costs(num_params: int, n: int, codec_gbps: float | None, adam_step_s: float | None,
+                 onebit_step_s: float | None, needed: bool = True) -> tuple[float, float, float]:
+    """The three local costs, checked; those left as None measured on this machine (when
+    ``needed``; else left None)."""
     given = {"codec_gbps": codec_gbps, "adam_step_s": adam_step_s, "onebit_step_s": onebit_step_s}
     for name, value in given.items():
         if value is not None:
             _real(name, value, positive=name == "codec_gbps")
-    if any(v is None for v in given.values()):
+    if any(v is None for v in given.values()) and needed:
         measured = measure_local_costs(num_params, n)
         given = {k: getattr(measured, k) if v is None else v for k, v in given.items()}
-    codec_gbps, adam_step_s, onebit_step_s = (float(given[k]) for k in ("codec_gbps", "adam_step_s", "onebit_step_s"))
+    return tuple(None if given[k] is None else float(given[k]) for k in ("codec_gbps", "adam_step_s", "onebit_step_s"))
 
+
+def _speedup(num_params: int, n: int, bandwidth: float, efficiency: float, compute_s: float, latency_s: float,
+             reduce_gbps: float, buckets: int, backward_s: float | None, codec_gbps: float, adam_step_s: float,
+             onebit_step_s: float) -> SpeedupEstimate:
+    """:func:`estimate_speedup`'s model of both steps, from checked arguments (``backward_s``
+    None: no overlap with backward)."""
     goodput = bandwidth * 1e9 / 8 * efficiency  # TCP payload bytes per second
     fp32_bytes = fp32_allreduce_bytes(num_params, n)
     onebit_bytes = onebit_allreduce_bytes(num_params, n)
@@ -397,7 +412,7 @@ def estimate_speedup(
     codec_s = 4 * padded_length(num_params, n) / (codec_gbps * 1e9)
     latency = 2 * (n - 1) * latency_s
     baseline = compute_s + adam_step_s + max(fp32_wire_s, fp32_reduce_s) + latency
-    if overlap_backward:
+    if backward_s is not None:
         exposed_s = onebit_wire_s / buckets + max(0.0, onebit_wire_s * (buckets - 1) / buckets - backward_s)
     else:
         exposed_s = onebit_wire_s - min(onebit_wire_s, codec_s) * (buckets - 1) / buckets
@@ -496,63 +511,71 @@ def estimate_two_level(
     Raises ``ValueError`` naming an argument out of range.
     """
     num_params = _int_at_least("num_params", num_params, 1)
-    p = _int_at_least("nodes", nodes, 1)
-    local = _int_at_least("ranks_per_node", ranks_per_node, 1)
-    n = p * local
-    if n < 2:
-        raise ValueError(f"invalid nodes * ranks_per_node: {n}; expected at least 2 ranks")
+    p, local = _nodes(nodes, ranks_per_node)
     inter = _real("inter_node_gbps", inter_node_gbps, positive=True)
     intra = _real("intra_node_gbps", intra_node_gbps, positive=True, allow_inf=True)
     compute_s = _real("compute_s", compute_s, positive=False)
     latency_s = _real("latency_s", latency_s, positive=False)
     reduce_gbps = _real("reduce_gbps", reduce_gbps, positive=True, allow_inf=True)
     efficiency = _real("wire_efficiency", wire_efficiency, positive=True, upper=1.0)
+    local_s = _checked_local_s(local_s)
+    costs = _local_costs(num_params, p * local, codec_gbps, adam_step_s, onebit_step_s, needed=bool(set(SCHEMES) - set(local_s)))
+    nbytes = two_level_wire_bytes(num_params, p, local, segments=segments)
+    rates = (inter * 1e9 / 8 * efficiency, intra * 1e9 / 8)  # payload bytes per second between and inside nodes
+    schemes = {scheme: _scheme_estimate(scheme, nbytes[scheme], rates, num_params, p, local, segments, reduce_gbps,
+                                        local_s, costs, compute_s, latency_s) for scheme in SCHEMES}
+    return TwoLevelEstimate(num_params=num_params, nodes=p, ranks_per_node=local, inter_node_gbps=inter,
+                            intra_node_gbps=intra, compute_s=compute_s, schemes=schemes)
+
+
+def _nodes(nodes: int, ranks_per_node: int) -> tuple[int, int]:
+    p = _int_at_least("nodes", nodes, 1)
+    local = _int_at_least("ranks_per_node", ranks_per_node, 1)
+    if p * local < 2:
+        raise ValueError(f"invalid nodes * ranks_per_node: {p * local}; expected at least 2 ranks")
+    return p, local
+
+
+def _checked_local_s(local_s: dict[str, float] | None) -> dict[str, float]:
     local_s = dict(local_s or {})
     for key, value in local_s.items():
         if key not in SCHEMES:
             raise ValueError(f"invalid local_s key: {key!r}; expected one of {', '.join(map(repr, SCHEMES))}")
         _real(f"local_s[{key!r}]", value, positive=False)
-    given = {"codec_gbps": codec_gbps, "adam_step_s": adam_step_s, "onebit_step_s": onebit_step_s}
-    for name, value in given.items():
-        if value is not None:
-            _real(name, value, positive=name == "codec_gbps")
-    needed = set(SCHEMES) - set(local_s)
-    if any(v is None for v in given.values()) and needed:
-        measured = measure_local_costs(num_params, n)
-        given = {k: getattr(measured, k) if v is None else v for k, v in given.items()}
+    return local_s
 
-    nbytes = two_level_wire_bytes(num_params, p, local, segments=segments)
-    goodput = inter * 1e9 / 8 * efficiency
-    intra_rate = intra * 1e9 / 8
+
+def _scheme_estimate(scheme: str, nbytes: tuple[int, int], rates: tuple[float, float], num_params: int, p: int,
+                     local: int, segments: int, reduce_gbps: float, local_s: dict[str, float],
+                     costs: tuple[float | None, float | None, float | None], compute_s: float,
+                     latency_s: float) -> SchemeEstimate:
+    """One scheme of :func:`estimate_two_level`, from checked arguments (``costs``: codec GB/s, the
+    Adam step's and the 1-bit step's seconds)."""
+    n = p * local
+    (inter_b, intra_b), (goodput, intra_rate) = nbytes, rates
+    inter_s, intra_s = inter_b / goodput, intra_b / intra_rate
     padded = padded_length(num_params, n)
-    row_n = row_bytes(padded, n, segments)
-    schemes = {}
-    for scheme in SCHEMES:
-        inter_b, intra_b = nbytes[scheme]
-        inter_s, intra_s = inter_b / goodput, intra_b / intra_rate
-        if scheme == "fp32":  # every ring edge at once: the slowest sets the pace, or the CPU's reduce
-            wire = max(inter_s, intra_s, 4 * num_params / (reduce_gbps * 1e9))
-        elif scheme == "flat":  # all-to-all (inter and intra at once), then the ring all-gather
-            ring = (n - 1) * row_n
-            a2a_inter, a2a_intra = inter_b - (ring if p > 1 else 0), intra_b - (ring if local > 1 else 0)
-            wire = max(a2a_inter / goodput, a2a_intra / intra_rate) + max(
-                ring / goodput if p > 1 else 0.0, ring / intra_rate if local > 1 else 0.0)
-        else:  # intra all-to-all, cross all-to-all and all-gather, intra all-gather: one after another
-            wire = inter_s + intra_s
-        if scheme in local_s:
-            here = float(local_s[scheme])
-        elif scheme == "fp32":
-            here = float(given["adam_step_s"])
-        else:
-            codec = 4 * padded / (float(given["codec_gbps"]) * 1e9) * _CODEC_PASSES[scheme](local) / 3.0
-            here = float(given["onebit_step_s"]) + codec
-        messages = 2 * (n - 1) if scheme in ("fp32", "flat") else 2 * (p - 1) + 2 * (local - 1)
-        schemes[scheme] = SchemeEstimate(
-            scheme=scheme, inter_node_bytes=inter_b, intra_node_bytes=intra_b, inter_wire_s=inter_s,
-            intra_wire_s=intra_s, wire_s=wire, local_s=here, latency_s=messages * latency_s,
-            step_s=compute_s + here + wire + messages * latency_s)
-    return TwoLevelEstimate(num_params=num_params, nodes=p, ranks_per_node=local, inter_node_gbps=inter,
-                            intra_node_gbps=intra, compute_s=compute_s, schemes=schemes)
+    if scheme == "fp32":  # every ring edge at once: the slowest sets the pace, or the CPU's reduce
+        wire = max(inter_s, intra_s, 4 * num_params / (reduce_gbps * 1e9))
+    elif scheme == "flat":  # all-to-all (inter and intra at once), then the ring all-gather
+        ring = (n - 1) * row_bytes(padded, n, segments)
+        a2a_inter, a2a_intra = inter_b - (ring if p > 1 else 0), intra_b - (ring if local > 1 else 0)
+        wire = max(a2a_inter / goodput, a2a_intra / intra_rate) + max(
+            ring / goodput if p > 1 else 0.0, ring / intra_rate if local > 1 else 0.0)
+    else:  # intra all-to-all, cross all-to-all and all-gather, intra all-gather: one after another
+        wire = inter_s + intra_s
+    codec_gbps, adam_step_s, onebit_step_s = costs
+    if scheme in local_s:
+        here = float(local_s[scheme])
+    elif scheme == "fp32":
+        here = float(adam_step_s)
+    else:
+        here = float(onebit_step_s) + 4 * padded / (float(codec_gbps) * 1e9) * _CODEC_PASSES[scheme](local) / 3.0
+    messages = 2 * (n - 1) if scheme in ("fp32", "flat") else 2 * (p - 1) + 2 * (local - 1)
+    return SchemeEstimate(
+        scheme=scheme, inter_node_bytes=inter_b, intra_node_bytes=intra_b, inter_wire_s=inter_s,
+        intra_wire_s=intra_s, wire_s=wire, local_s=here, latency_s=messages * latency_s,
+        step_s=compute_s + here + wire + messages * latency_s)
 
 
 def format_two_level(est: TwoLevelEstimate) -> str:
