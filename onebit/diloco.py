@@ -3,7 +3,6 @@ of the pseudo-gradient ``global_params - params``."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -13,7 +12,7 @@ import torch
 from . import functional as F
 from .buckets import Bucket
 from .engine import OnebitOptimizer
-from .layout import ranks_differing
+from .layout import ranks_holding_other
 from .plan import StepPlan
 from .spec import Schedule, Setting, StateSpec
 from .exact import ExactAverage
@@ -31,7 +30,7 @@ COMPRESSIONS = ("onebit", "none")
 def _check_outer(sync_every: Any, outer_lr: Any, outer_momentum: Any, saved: bool = False) -> None:
     _check_sync_every(sync_every, saved)
     _check_outer_lr(outer_lr, saved)
-    check_number("outer_momentum", outer_momentum, low=0.0, high=1.0, high_open=True)
+    _check_outer_momentum(outer_momentum)
 
 
 def _check_sync_every(value: Any, saved: bool = False) -> int:
@@ -288,10 +287,8 @@ class OnebitDiLoCo(OnebitOptimizer):
 
     def _check_same_start(self) -> None:
         """The first outer step: every rank must have started from the same global parameters."""
-        digest = hashlib.sha256()
-        for bucket in self._buckets:
-            digest.update(bucket.buffers["global_params"].detach().cpu().numpy().tobytes())
-        differ = ranks_differing(self._backend.inner, digest.digest(), self._device())
+        differ = ranks_holding_other(self._backend.inner, (b.buffers["global_params"] for b in self._buckets),
+                                     self._device())
         if differ:
             raise RuntimeError(
                 f"OnebitDiLoCo: ranks {differ} started from other parameters than rank 0 (the global parameters "

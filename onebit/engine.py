@@ -40,7 +40,6 @@ Two declarations and four methods make an algorithm (five with local steps); ``t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -61,7 +60,7 @@ from .spec import StateSpec
 from .state import StateDictContract, allocate_lazy, release_lazy
 from .steps import Steps
 from .hierarchy import Topology, build_topology, check_hierarchy
-from .layout import check_layout, ranks_differing
+from .layout import check_layout, ranks_holding_other
 from .shards import first_shard
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import (check_common_group, check_engine_options, check_flag, check_params, reduce_dtype_of,
@@ -467,12 +466,8 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         self._synchronize()
         if self._backend.world_size == 1:
             return
-        digest = hashlib.sha256()
-        for bucket in self._buckets:
-            for p in bucket.params:
-                digest.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         # (outside any step: not in comm_stats())
-        differ = ranks_differing(self._backend.inner, digest.digest(), self._device())
+        differ = ranks_holding_other(self._backend.inner, (p for b in self._buckets for p in b.params), self._device())
         if differ:
             raise RuntimeError(
                 f"synchronize(): the parameters of ranks {differ} differ from rank 0's after step {self._step}; "

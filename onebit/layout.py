@@ -11,7 +11,7 @@ import torch
 from .buckets import Bucket
 from .shards import shard_signature
 
-__all__ = ["layout_digest", "check_layout", "ranks_differing"]
+__all__ = ["layout_digest", "check_layout", "ranks_differing", "ranks_holding_other"]
 
 
 def layout_digest(buckets: list[Bucket]) -> str:
@@ -64,3 +64,12 @@ def ranks_differing(backend: Any, digest: bytes, device: torch.device) -> list[i
     everyone = torch.empty(backend.world_size, 8, dtype=torch.uint8, device=device)
     backend.all_gather(everyone, mine)
     return [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+
+
+def ranks_holding_other(backend: Any, tensors: Any, device: torch.device) -> list[int]:
+    """The ranks whose ``tensors`` (an iterable, in the same order on every rank) are not bit for
+    bit rank 0's: a digest of their bytes, one all-gather of 8 bytes."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return ranks_differing(backend, digest.digest(), device)

@@ -112,30 +112,22 @@ class Steps:
             r.pending[id(bucket)] = self._backend.start_all_reduce_mean_(bucket.wire_to_send(self._wire_dtype()))
         elif compressed:
             grads = grads_of(bucket, False, None) if grads is None else grads
-            if staged:
-                if r.staged:  # the server stage of the bucket started before (its all-to-all is through by now)
-                    start_server_(r.staged[-1].compression, self._backend, self._kernels_for(r.staged[-1]), staged=True)
-                self._stage(bucket, grads, r.t)
+            if staged and r.staged:  # the server stage of the bucket started before (its all-to-all is through)
+                start_server_(r.staged[-1].compression, self._backend, self._kernels_for(r.staged[-1]), staged=True)
+            with self._timed("compress_input"):
+                bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], r.t,
+                                                         staged=staged)
+            start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket),
+                          staged=staged, multiplier=_into(self._codec_multipliers(bucket)),
+                          bound=self._codec_bound(bucket, r.t))
+            if staged:  # (the average is decoded where the algorithm keeps it; the input was a copy)
+                bucket.compressed = self._decode_target(bucket)
                 r.staged.append(bucket)
-            else:
-                with self._timed("compress_input"):
-                    bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], r.t)
-                start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket),
-                              multiplier=_into(self._codec_multipliers(bucket)), bound=self._codec_bound(bucket, r.t))
         else:
             return  # nothing to send: the step reads this bucket's gradients itself
         r.grads[id(bucket)] = grads
         if staged:
             r.fingerprints[id(bucket)] = (bucket, fingerprint(bucket))
-
-    def _stage(self, bucket: Bucket, grads: list[torch.Tensor | None], t: int) -> None:
-        """Compress ``bucket``'s input for step ``t`` without changing the state, and start its
-        worker stage (``overlap_backward``; the caller kept the worker error)."""
-        with self._timed("compress_input"):
-            bucket.compressed = self._compress_input(bucket, grads, self.param_groups[bucket.group_index], t, staged=True)
-        start_worker_(bucket.compressed, bucket.compression, self._backend, self._kernels_for(bucket), staged=True,
-                      multiplier=_into(self._codec_multipliers(bucket)), bound=self._codec_bound(bucket, t))
-        bucket.compressed = self._decode_target(bucket)
 
     def _start_rest(self, r: Round) -> None:
         """Start, staged and in the hooks' order, every bucket that backward did not."""
