@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="make every run once per seed (pretrain.py's --seed), in OUT/seed<S>/")
+    parser.add_argument("--plot", action="store_true",
+                        help="also write OUT/sweep.png: validation loss per step, and final loss vs bits per parameter step "
+                             "(with --seeds: the first seed's curves)")
     args, passthrough = parser.parse_known_args()
     if args.seeds is not None and any(arg == "--seed" or arg.startswith("--seed=") for arg in passthrough):
         parser.error("give the seeds with --seeds only (--seed goes to every run of a --seeds sweep)")
@@ -184,6 +187,8 @@ def main() -> None:
         results = sweep(runs, args, out, passthrough)
         (out / "sweep.json").write_text(json.dumps(results, indent=2))
         print_table(results)
+        if args.plot:
+            plot(results, out, out / "sweep.png")
         return
     by_seed = {}
     for seed in args.seeds:
@@ -191,6 +196,9 @@ def main() -> None:
         print(f"seed {seed}:")
         print_table(by_seed[seed])
     (out / "sweep.json").write_text(json.dumps({str(seed): results for seed, results in by_seed.items()}, indent=2))
+    if args.plot:
+        first = args.seeds[0]
+        plot(by_seed[first], out / f"seed{first}", out / "sweep.png")
     print()
     print("| run | " + " | ".join(f"seed {seed}" for seed in args.seeds) + " | mean vs Adam | worst vs Adam |")
     print("|---|" + "---:|" * (len(args.seeds) + 2))
@@ -226,6 +234,38 @@ def sweep(runs: dict[str, tuple[dict, str, str]], args: argparse.Namespace, out:
         ok = adam is not None and result["final_val_loss"] is not None and adam["final_val_loss"]
         result["vs_adam"] = result["final_val_loss"] / adam["final_val_loss"] if ok else None
     return results
+
+
+def plot(results: dict, out: Path, path: Path) -> None:
+    """Two panels: each run's validation loss against the step, and each run's final validation
+    loss against its bits per parameter per step (log scale; runs that sent nothing left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_curve, ax_bits) = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors = plt.get_cmap("tab20").colors
+    for index, (name, r) in enumerate(results.items()):
+        evals = [rec for rec in _records(out / name) if rec.get("event") == "eval"]
+        line, = ax_curve.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], marker="o", ms=2.5, lw=1.2,
+                              label=name, color=colors[index % len(colors)])
+        bits, final = r.get("bits_per_parameter_step"), r.get("final_val_loss")
+        if bits and final is not None and math.isfinite(final):
+            ax_bits.scatter([bits], [final], color=line.get_color())
+            ax_bits.annotate(name, (bits, final), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax_curve.set(xlabel="step", ylabel="validation loss", title="validation loss")
+    finals = [r["final_val_loss"] for r in results.values() if r.get("final_val_loss") is not None
+              and math.isfinite(r["final_val_loss"])]
+    if finals:  # (the first evaluations, near ln(vocab), would hide the differences at the end)
+        ax_curve.set_ylim(min(finals) - 0.1, max(finals) + 0.6)
+    ax_curve.legend(fontsize=7)
+    ax_bits.set(xscale="log", xlabel="bits per parameter per step (whole run, rank 0)", ylabel="final validation loss",
+                title="final loss vs bytes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
 
 
 def print_table(results: dict) -> None:
