@@ -259,3 +259,216 @@ def test_framework_never_averages_and_equals_the_plain_loop(adapters, framework)
     first, second = (r[framework]["params"] for r in adapters)
     for t, (a, b) in enumerate(zip(first, second), start=1):
         assert torch.equal(a, b) == (t % H == 0), t  # apart between outer steps, together after each
+
+
+# ----------------------------------------------------------------- FSDP2 / HSDP and DCP (rank side)
+
+def _mlp() -> torch.nn.Module:
+    # 33 hidden units: uneven shards (17 and 16 rows); Linear(33, 1): an empty shard on the second rank
+    return tiny_mlp(16, 33, 1)
+
+
+def _hsdp_batch(worker: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * t + worker)
+    return torch.randn(8, 16, generator=gen), torch.randn(8, 1, generator=gen)
+
+
+def _shard_model(mesh) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _locals(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _same_over(group, tensors: list[torch.Tensor]) -> bool:
+    """Whether every rank of ``group`` holds exactly these tensors."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _train_step(model, opt, worker: int, t: int) -> None:
+    x, y = _hsdp_batch(worker, t)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _hsdp_against_unsharded(mesh, compression: str) -> dict:
+    """FSDP2 over "shard", DiLoCo over "replicate", beside the unsharded model with DiLoCo over the
+    same "replicate" group (ranks 0 and 2 one 2-worker run, ranks 1 and 3 the same again): both
+    workers' ranks fed the worker's batch, so FSDP's gradient (the mean over the replica group's
+    two ranks of one gradient) is the unsharded worker's."""
+    worker = mesh["replicate"].get_local_rank()
+    model = _shard_model(mesh["shard"])
+    start = _locals(model)
+    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, group=mesh["replicate"], compression=compression,
+                       **OUTER)
+    whole = _mlp()
+    out: dict = {"start": _flat(whole)}
+    whole_opt = OnebitDiLoCo(whole.parameters(), lr=LR, sync_every=H, group=mesh["replicate"],
+                             compression=compression, **OUTER)
+    out.update(identical=[], sharded=[], whole=[])
+    grads = []
+    for t in range(1, STEPS + 1):
+        x, y = _hsdp_batch(worker, t)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _train_step(whole, whole_opt, worker, t)
+        full = [p.detach().full_tensor() for p in model.parameters()]  # (a collective over "shard")
+        out["identical"].append(_same_over(mesh["replicate"].get_group(), _locals(model)))
+        out["sharded"].append(torch.cat([p.reshape(-1) for p in full]))
+        out["whole"].append(_flat(whole))
+    # the oracle of the shards: the same optimizer over plain tensors holding this rank's initial
+    # shards, over the same group, stepped with the shards' gradients
+    plain = [torch.nn.Parameter(s.clone()) for s in start]
+    oracle = OnebitDiLoCo(plain, lr=LR, sync_every=H, group=mesh["replicate"], compression=compression, **OUTER)
+    for step_grads in grads:
+        for p, g in zip(plain, step_grads):
+            p.grad = g
+        oracle.step()
+    out["equals_plain_tensors"] = all(torch.equal(a, b.detach()) for a, b in zip(_locals(model), plain))
+    out["local_shapes"] = [tuple(s.shape) for s in start]
+    out["state_shapes"] = [tuple(opt.state[p]["global_params"].shape) for p in model.parameters()]
+    out["stats"] = opt.comm_stats()
+    return out
+
+
+def _dcp_save(model, opt, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from onebit import save_compression_errors
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    save_compression_errors(path, opt)
+
+
+def _dcp_load(model, opt, path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    from onebit import load_compression_errors
+
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    return load_compression_errors(path, opt)
+
+
+def _local_state(opt, model) -> dict[str, list[torch.Tensor]]:
+    keys = ("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer")
+    return {key: [opt.state[p][key].clone() for p in model.parameters()] for key in keys}
+
+
+def _dcp_resume(mesh, directory: str, at: int, synchronize: bool) -> dict:
+    """Train ``at`` steps (then ``synchronize()`` if asked), save with DCP and the compression
+    errors, load into a fresh model and optimizer, and continue both to step ``STEPS + 2`` (an
+    outer step on the way)."""
+    worker = mesh["replicate"].get_local_rank()
+
+    def make():
+        model = _shard_model(mesh["shard"])
+        return model, OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, group=mesh["replicate"], **OUTER)
+
+    model, opt = make()
+    for t in range(1, at + 1):
+        _train_step(model, opt, worker, t)
+    if synchronize:
+        opt.synchronize()
+    path = f"{directory}/dcp-{at}-{int(synchronize)}"
+    _dcp_save(model, opt, path)
+    dist.barrier()
+    again, again_opt = make()
+    out = {"restored": _dcp_load(again, again_opt, path), "step": again_opt.step_count}
+    mine, loaded = _local_state(opt, model), _local_state(again_opt, again)
+    out["state_equal"] = {key: all(torch.equal(a, b) for a, b in zip(mine[key], loaded[key])) for key in mine}
+    out["params_equal"] = all(torch.equal(a, b) for a, b in zip(_locals(model), _locals(again)))
+    for t in range(at + 1, STEPS + 3):
+        _train_step(model, opt, worker, t)
+        _train_step(again, again_opt, worker, t)
+    out["bit_for_bit"] = all(torch.equal(a, b) for a, b in zip(_locals(model), _locals(again)))
+    return out
+
+
+def _hsdp_ranks(rank: int, world_size: int, directory: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return {"onebit": _hsdp_against_unsharded(mesh, "onebit"), "none": _hsdp_against_unsharded(mesh, "none"),
+            "dcp_outer": _dcp_resume(mesh, directory, H, synchronize=False),
+            "dcp_synchronized": _dcp_resume(mesh, directory, H + 1, synchronize=True)}
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("diloco_hsdp")
+    return run_ranks(_hsdp_ranks, 4, tmp, str(tmp), timeout=240)
+
+
+def test_hsdp_replica_groups_are_the_workers(hsdp):
+    """Each replica group is one worker: its replicas' shards apart between outer steps, together
+    after each; the state is the shard's; the run equals the same optimizer over plain tensors
+    holding the shards bit for bit; with the exact average it is the unsharded 2-worker run bit
+    for bit. With the 1-bit average it is not (each shard has its own scales where the whole
+    tensor has one): measured, the sharded run is 0.038 (first outer step) and 0.149 (second) of
+    the 1-bit run's own distance from the exact one away from the unsharded 1-bit run (3.1% and
+    7.2% of how far the parameters moved); the check allows 0.25."""
+    for rank, r in enumerate(hsdp):
+        exact, onebit = r["none"], r["onebit"]
+        for run in (exact, onebit):
+            assert run["equals_plain_tensors"], rank
+            assert run["identical"] == [t % H == 0 for t in range(1, STEPS + 1)], (rank, run["identical"])
+            assert run["state_shapes"] == run["local_shapes"]
+            assert run["stats"]["outer"]["steps"] == STEPS // H
+        assert all(torch.equal(a, b) for a, b in zip(exact["sharded"], exact["whole"])), rank
+        for t in range(1, STEPS + 1):
+            sharded, whole, exact_whole = onebit["sharded"][t - 1], onebit["whole"][t - 1], exact["whole"][t - 1]
+            if t < H:  # inner steps only: no scale has been used yet
+                assert torch.equal(sharded, whole), (rank, t)
+                continue
+            apart, bit = float((sharded - whole).norm()), float((whole - exact_whole).norm())
+            assert 0 < apart <= 0.25 * bit, (rank, t, apart, bit)
+    # shard coordinates: ranks 0 and 2 hold the first shards (17 rows; the 1-row output layer), 1 and 3 the rest
+    assert hsdp[0]["onebit"]["local_shapes"] == [(17, 16), (17,), (1, 33), (1,)]
+    assert hsdp[1]["onebit"]["local_shapes"] == [(16, 16), (16,), (0, 33), (0,)]
+
+
+def test_dcp_resume_after_synchronize_is_bit_identical(hsdp):
+    """A DCP save mid-round after ``synchronize()`` (replicas and inner moments averaged, so DCP's
+    one copy of each replicated shard is every replica's), with onebit's compression-error files:
+    the loaded run continues bit for bit through the next outer step."""
+    for rank, r in enumerate(hsdp):
+        run = r["dcp_synchronized"]
+        assert run["restored"] and run["step"] == H + 1, (rank, run)
+        assert run["params_equal"] and all(run["state_equal"].values()), (rank, run)
+        assert run["bit_for_bit"], rank
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "defect: the inner AdamW moments differ between workers even right after an outer step, and DCP saves "
+    "one copy of each replicated shard (from either replica), so every worker resumes with moments partly of "
+    "the other; load_compression_errors still restores the errors (says exact). See the report of this branch."))
+def test_dcp_resume_at_an_outer_step_is_bit_identical(hsdp):
+    """A DCP save right after an outer step (parameters, global parameters and outer momentum the
+    same on every replica; the inner moments each worker's own) continues bit for bit."""
+    for rank, r in enumerate(hsdp):
+        run = r["dcp_outer"]
+        assert run["restored"] and run["step"] == H, (rank, run)
+        assert run["params_equal"] and run["state_equal"]["global_params"], (rank, run)
+        assert run["state_equal"]["outer_momentum_buffer"], (rank, run)
+        assert run["state_equal"]["exp_avg"] and run["state_equal"]["exp_avg_sq"], (rank, run)
+        assert run["bit_for_bit"], rank
