@@ -241,7 +241,8 @@ def test_framework_never_averages_and_equals_the_plain_loop(adapters, framework)
     off on every step, the ranks' parameters differ after every inner step and are bit-identical
     after every outer step, and each rank's trajectory is the plain loop's bit for bit (the
     frameworks only forward, backward and call step())."""
-    pytest.importorskip(FRAMEWORKS[framework])
+    if importlib.util.find_spec(FRAMEWORKS[framework]) is None:  # (find_spec: importing it here costs seconds)
+        pytest.skip(f"{FRAMEWORKS[framework]} is not installed")
     for rank, r in enumerate(adapters):
         run = r[framework]
         if "error" in run:
@@ -472,3 +473,102 @@ def test_dcp_resume_at_an_outer_step_is_bit_identical(hsdp):
         assert run["state_equal"]["outer_momentum_buffer"], (rank, run)
         assert run["state_equal"]["exp_avg"] and run["state_equal"]["exp_avg_sq"], (rank, run)
         assert run["bit_for_bit"], rank
+
+
+# ----------------------------------------------------------------- GradScaler
+
+CALLS = 8
+# call -> the rank whose loss overflows: call 2 is an inner step (rank 0 skips it alone, the step
+# counts everywhere); call 6 would be the outer step 6 (every rank skips it; call 7 is outer step 6)
+OVERFLOW = {2: 0, 6: 1}
+
+
+def _scaler_ranks(rank: int, world_size: int) -> dict:
+    warnings = LogMessages(logging.WARNING)
+    logging.getLogger("onebit").addHandler(warnings)
+    model = _model()
+    opt = _optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    record: dict = {"params": [], "steps": [], "scales": []}
+    for call in range(1, CALLS + 1):
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(rank, call)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if OVERFLOW.get(call) == rank:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        record["params"].append(_flat(model))
+        record["steps"].append(opt.step_count)
+        record["scales"].append(scaler.get_scale())
+    record["stats"] = opt.comm_stats()
+    record["warnings"] = warnings.messages
+    return record
+
+
+def _simulate_scaler(world_size: int) -> list[list[torch.Tensor]]:
+    """Every rank's parameters after every call, from the maths: per rank a torch AdamW, which an
+    overflowing rank does not step on an inner step; an outer step with an overflow on any rank is
+    not taken by any rank (nor their inner steps), and the next call is that outer step again; an
+    outer step averages ``global - params`` with the 1-bit simulator, then Nesterov SGD."""
+    models = [_model() for _ in range(world_size)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    glob = _model()
+    outer = torch.optim.SGD(glob.parameters(), lr=OUTER["outer_lr"], momentum=OUTER["outer_momentum"], nesterov=True)
+    numels = [p.numel() for p in glob.parameters()]
+    errors, t, out = (None, None), 0, []
+    for call in range(1, CALLS + 1):
+        overflow = [OVERFLOW.get(call) == rank for rank in range(world_size)]
+        is_outer = (t + 1) % H == 0
+        if not (is_outer and any(overflow)):
+            t += 1
+            for rank, (m, inner) in enumerate(zip(models, inners)):
+                if not overflow[rank]:
+                    m.zero_grad(set_to_none=True)
+                    x, y = _batch(rank, call)
+                    torch.nn.functional.mse_loss(m(x), y).backward()
+                    inner.step()
+            if is_outer:
+                deltas = [torch.cat([(g - p).detach().reshape(-1) for g, p in zip(glob.parameters(), m.parameters())])
+                          for m in models]
+                sim = simulate_compressed_allreduce(deltas, *errors, numels=numels)
+                errors = (sim.worker_errors, sim.server_errors)
+                for g, piece in zip(glob.parameters(), sim.output.split(numels)):
+                    g.grad = piece.view_as(g).clone()
+                outer.step()
+                with torch.no_grad():
+                    for m in models:
+                        for p, g in zip(m.parameters(), glob.parameters()):
+                            p.copy_(g)
+        out.append([_flat(m) for m in models])
+    return out
+
+
+def test_grad_scaler_overflows_skip_alone_inside_a_round_and_together_at_an_outer_step(tmp_path):
+    """``torch.amp.GradScaler`` (CPU, float32 model, a loss made infinite on one rank): an
+    overflow at an inner step skips that rank's inner step only, and the step counts on every
+    rank (the outer steps stay aligned); an overflow at an outer step skips it on every rank,
+    inner steps included, and the next call is that outer step. Each rank's parameters follow the
+    simulator of both rules; the ranks agree bit for bit after each outer step. The scalers'
+    scales are each rank's own (each backs off on its own overflows), which is harmless: every
+    rank unscales its own gradients before anything is averaged."""
+    results = run_ranks(_scaler_ranks, 2, tmp_path)
+    expected = _simulate_scaler(2)
+    for rank, r in enumerate(results):
+        assert r["steps"] == [1, 2, 3, 4, 5, 5, 6, 7], r["steps"]
+        for call, (mine, theirs) in enumerate(zip(r["params"], expected), start=1):
+            # float32 rounding only (torch's AdamW and SGD against the engine's fused passes)
+            torch.testing.assert_close(mine, theirs[rank], rtol=0, atol=1e-6, msg=f"rank {rank} call {call}")
+        assert r["stats"]["outer"]["steps"] == 2 and r["stats"]["outer"]["skipped_steps"] == 1, r["stats"]["outer"]
+    # the overflowing calls changed nothing on the rank that overflowed (call 2) or on any rank (call 6)
+    assert torch.equal(results[0]["params"][0], results[0]["params"][1])
+    assert all(torch.equal(r["params"][4], r["params"][5]) for r in results)
+    assert not torch.equal(results[1]["params"][0], results[1]["params"][1])  # rank 1 stepped at call 2
+    for call in range(1, CALLS + 1):
+        together = torch.equal(results[0]["params"][call - 1], results[1]["params"][call - 1])
+        assert together == (call in (3, 7)), call  # after outer steps 3 and 6 (calls 3 and 7), apart otherwise
+    assert results[0]["scales"][1] == 2.0**9 and results[1]["scales"][1] == 2.0**10
+    assert results[1]["scales"][5] == 2.0**9 and results[0]["scales"][5] == 2.0**9
+    assert any("rank 0: non-finite gradients at step 2" in line for line in results[0]["warnings"])
+    assert results[1]["warnings"] == []
