@@ -64,20 +64,54 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 # ----------------------------------------------------------------- adapters (rank side)
 
-def _plain(rank: int) -> dict:
+COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "broadcast", "broadcast_object_list", "reduce", "reduce_scatter_tensor", "gather_object", "barrier")
+
+
+class _Collectives:
+    """Every collective this process starts through ``torch.distributed`` (the frameworks' and
+    onebit's; DDP starts its gradient all-reduce through onebit's hook, in Python), as
+    ``(name, bytes)`` in order; :meth:`take` returns and forgets what was started since the last."""
+
+    def __init__(self) -> None:
+        import onebit.backends.torch_dist as transport
+
+        self.calls: list[tuple[str, int]] = []
+        for name in COLLECTIVES:
+            setattr(dist, name, self._counted(name, getattr(dist, name)))
+        # (onebit's transport bound its all-gather at import)
+        transport._all_gather_single = self._counted("all_gather_into_tensor", transport._all_gather_single)
+
+    def _counted(self, name: str, function):
+        def counted(*args, **kwargs):
+            tensor = args[0] if args else next(iter(kwargs.values()), None)
+            size = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+            self.calls.append((name, size))
+            return function(*args, **kwargs)
+        return counted
+
+    def take(self) -> list[tuple[str, int]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _plain(rank: int, counter: _Collectives) -> dict:
     model = _model()
     opt = _optimizer(model.parameters())
-    params = []
+    record: dict = {"params": [], "collectives": []}
+    counter.take()
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
         x, y = _batch(rank, t)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-        params.append(_flat(model))
-    return {"params": params, "stats": opt.comm_stats()}
+        record["params"].append(_flat(model))
+        record["collectives"].append(counter.take())
+    record["stats"] = opt.comm_stats()
+    return record
 
 
-def _lightning(rank: int) -> dict:
+def _lightning(rank: int, counter: _Collectives) -> dict:
     import lightning.pytorch as pl
 
     from onebit.integrations import OnebitCallback
@@ -97,14 +131,18 @@ def _lightning(rank: int) -> dict:
         def train_dataloader(self):
             return torch.utils.data.DataLoader([_batch(rank, t) for t in range(1, STEPS + 1)], batch_size=None)
 
-    record = {"params": [], "flags": []}
+    record: dict = {"params": [], "flags": [], "collectives": []}
 
     class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            counter.take()  # (set-up: DDP's broadcast of the parameters, ...)
+
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             record["flags"].append(trainer.strategy.model.require_backward_grad_sync)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             record["params"].append(_flat(pl_module.net))
+            record["collectives"].append(counter.take())
 
     module = Module()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, max_epochs=1,
@@ -116,7 +154,7 @@ def _lightning(rank: int) -> dict:
     return record
 
 
-def _accelerate(rank: int) -> dict:
+def _accelerate(rank: int, counter: _Collectives) -> dict:
     from accelerate import Accelerator
 
     from onebit.integrations import attach_accelerate
@@ -125,7 +163,8 @@ def _accelerate(rank: int) -> dict:
     model = _model()
     net, opt = accelerator.prepare(model, _optimizer(model.parameters()))
     attach_accelerate(net, opt)
-    record = {"params": [], "flags": [], "wrapped": type(net).__name__}
+    record: dict = {"params": [], "flags": [], "collectives": [], "wrapped": type(net).__name__}
+    counter.take()
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
         x, y = _batch(rank, t)
@@ -133,11 +172,12 @@ def _accelerate(rank: int) -> dict:
         record["flags"].append(net.require_backward_grad_sync)
         opt.step()
         record["params"].append(_flat(model))
+        record["collectives"].append(counter.take())
     record["stats"] = opt.optimizer.comm_stats()
     return record
 
 
-def _hf_trainer(rank: int, out_dir: str) -> dict:
+def _hf_trainer(rank: int, counter: _Collectives, out_dir: str) -> dict:
     import transformers
 
     from onebit.integrations import attach_trainer
@@ -156,14 +196,18 @@ def _hf_trainer(rank: int, out_dir: str) -> dict:
         def get_train_dataloader(self):  # this rank's own batches, in order (no sampler, no sharding)
             return torch.utils.data.DataLoader(batches, batch_size=None)
 
-    record = {"params": [], "flags": []}
+    record: dict = {"params": [], "flags": [], "collectives": []}
 
     class Record(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            counter.take()  # (set-up: DDP's broadcast of the parameters, ...)
+
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             record["flags"].append(trainer.model_wrapped.require_backward_grad_sync)
 
         def on_step_end(self, args, state, control, **kwargs):
             record["params"].append(_flat(net.net))
+            record["collectives"].append(counter.take())
 
     net = Net()
     opt = _optimizer(net.parameters())
@@ -180,7 +224,7 @@ def _hf_trainer(rank: int, out_dir: str) -> dict:
     return record
 
 
-def _deepspeed(rank: int) -> dict:
+def _deepspeed(rank: int, counter: _Collectives) -> dict:
     import importlib
 
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -196,13 +240,15 @@ def _deepspeed(rank: int) -> dict:
               "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     attach_deepspeed(engine)
-    record = {"params": [], "flags": []}
+    record: dict = {"params": [], "flags": [], "collectives": []}
+    counter.take()
     for t in range(1, STEPS + 1):
         x, y = _batch(rank, t)
         record["flags"].append(engine.enable_backward_allreduce)
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
         record["params"].append(_flat(model))
+        record["collectives"].append(counter.take())
     record["stats"] = opt.comm_stats()
     return record
 
@@ -213,9 +259,11 @@ def _adapter_ranks(rank: int, world_size: int, out_dir: str) -> dict:
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     warnings = LogMessages(logging.WARNING)
     logging.getLogger("onebit").addHandler(warnings)
-    out: dict = {"plain": _plain(rank)}
-    runs = {"accelerate": lambda: _accelerate(rank), "hf_trainer": lambda: _hf_trainer(rank, out_dir),
-            "deepspeed": lambda: _deepspeed(rank), "lightning": lambda: _lightning(rank)}
+    counter = _Collectives()
+    out: dict = {"plain": _plain(rank, counter)}
+    runs = {"accelerate": lambda: _accelerate(rank, counter),
+            "hf_trainer": lambda: _hf_trainer(rank, counter, out_dir),
+            "deepspeed": lambda: _deepspeed(rank, counter), "lightning": lambda: _lightning(rank, counter)}
     for name, run in runs.items():  # (Lightning last: its teardown is the last thing it does to the process)
         if importlib.util.find_spec(FRAMEWORKS[name]) is None:
             continue
@@ -238,9 +286,9 @@ def adapters(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
 def test_framework_never_averages_and_equals_the_plain_loop(adapters, framework):
     """Under the framework every rank trains alone between outer steps: its gradient all-reduce is
-    off on every step, the ranks' parameters differ after every inner step and are bit-identical
-    after every outer step, and each rank's trajectory is the plain loop's bit for bit (the
-    frameworks only forward, backward and call step())."""
+    off on every step and it starts no collective of its own, the ranks' parameters differ after
+    every inner step and are bit-identical after every outer step, and each rank's trajectory is
+    the plain loop's bit for bit (the frameworks only forward, backward and call step())."""
     if importlib.util.find_spec(FRAMEWORKS[framework]) is None:  # (find_spec: importing it here costs seconds)
         pytest.skip(f"{FRAMEWORKS[framework]} is not installed")
     for rank, r in enumerate(adapters):
@@ -248,6 +296,14 @@ def test_framework_never_averages_and_equals_the_plain_loop(adapters, framework)
         if "error" in run:
             pytest.fail(f"rank {rank}, {framework}:\n{run['error']}", pytrace=False)
         assert run["flags"] == [False] * STEPS, run["flags"]
+        # Not one collective of the framework's: each step starts the plain loop's (the layout
+        # check on step 1, the outer steps' 1-bit all-reduce), nothing on the other inner steps;
+        # less the 32-byte digests with which the plain loop's steps 1 and 2 look for a forgotten
+        # adapter (attached, the adapter has told the optimizer who averages what).
+        expected = [[c for c in calls if not (t <= 2 and c == ("all_reduce", 32))]
+                    for t, calls in enumerate(r["plain"]["collectives"], start=1)]
+        assert expected[1] == [] and expected[0] != r["plain"]["collectives"][0]
+        assert run["collectives"] == expected, (rank, run["collectives"])
         assert len(run["params"]) == STEPS
         for t, (mine, plain) in enumerate(zip(run["params"], r["plain"]["params"]), start=1):
             assert torch.equal(mine, plain), (rank, t, float((mine - plain).abs().max()))
