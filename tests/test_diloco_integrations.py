@@ -519,9 +519,10 @@ def test_dcp_resume_after_synchronize_is_bit_identical(hsdp):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "defect: the inner AdamW moments differ between workers even right after an outer step, and DCP saves "
-    "one copy of each replicated shard (from either replica), so every worker resumes with moments partly of "
-    "the other; load_compression_errors still restores the errors (says exact). See the report of this branch."))
+    "defect: the inner AdamW moments differ between workers even right after an outer step (replicas_identical "
+    "says True there), and DCP saves one copy of each replicated shard, taken from either replica, so every "
+    "worker resumes with moments partly of the other while load_compression_errors restores the errors as for "
+    "an exact resume; needs the rank-local moments beside the errors (save_compression_errors)"))
 def test_dcp_resume_at_an_outer_step_is_bit_identical(hsdp):
     """A DCP save right after an outer step (parameters, global parameters and outer momentum the
     same on every replica; the inner moments each worker's own) continues bit for bit."""
