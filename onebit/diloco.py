@@ -112,8 +112,14 @@ class OnebitDiLoCo(OnebitOptimizer):
 
     A parameter without a gradient on every rank is left alone, parameter and state, as in
     torch.optim; at an outer step so is a group whose learning rate is 0. What such a parameter
-    moved since the last outer step waits for the next outer step that updates it, and
-    :attr:`replicas_identical` is False until then (:meth:`synchronize` aligns everything).
+    moved since the last outer step waits for the next outer step that updates it
+    (:meth:`synchronize` aligns everything).
+
+    After an outer step the parameters are bit-identical on every rank, but each rank keeps its
+    own inner moments: :attr:`replicas_identical` is True only before the first step and right
+    after :meth:`synchronize`, so ``save_checkpoint(..., exact_resume=True)`` saves every rank's
+    state. Inner steps send nothing, except that ``nonfinite_grads="raise"`` agrees on an 8-byte
+    flag every step (so that every rank raises together); the default ``"skip"`` sends nothing.
     """
 
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (INNER.name, OUTER.name)
@@ -153,19 +159,21 @@ class OnebitDiLoCo(OnebitOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, **options)
-        self._start_checked = False
-        self._left_alone_at: int | None = None  # the last outer step that left some parameter alone
-        for bucket in self._buckets:
-            for view, p in zip(bucket.views["global_params"], bucket.params):
-                view.copy_(p.detach())
 
     def _build_group_buckets(self, index: int) -> None:
+        """The group's buckets, their global parameters the parameters now (at construction, or
+        when ``add_param_group`` adds the group: the next outer step checks that every rank
+        started them from the same values)."""
         super()._build_group_buckets(index)
-        if self.compression == "none":
-            for bucket in self._buckets:
-                if bucket.group_index == index and not isinstance(bucket.compression, ExactAverage):
-                    bucket.compression = ExactAverage(bucket.padded, self._backend.world_size, bucket.device,
-                                                      bucket.layout.edges)
+        self._start_checked = False
+        for bucket in self._buckets:
+            if bucket.group_index != index:
+                continue
+            for view, p in zip(bucket.views["global_params"], bucket.params):
+                view.copy_(p.detach())
+            if self.compression == "none" and not isinstance(bucket.compression, ExactAverage):
+                bucket.compression = ExactAverage(bucket.padded, self._backend.world_size, bucket.device,
+                                                  bucket.layout.edges)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:
@@ -182,9 +190,10 @@ class OnebitDiLoCo(OnebitOptimizer):
 
     @property
     def replicas_identical(self) -> bool:
-        """True after an outer step that aligned every parameter (or after :meth:`synchronize`)."""
-        aligned = self._step % self.sync_every == 0 and self._left_alone_at != self._step
-        return aligned or self._synced_at == self._step
+        """True only before the first step and after :meth:`synchronize`: an outer step makes the
+        parameters (and global parameters) the same on every rank, but each rank keeps its own
+        inner moments, so a checkpoint must still hold every rank's state."""
+        return self._step == 0 or self._synced_at == self._step
 
     # ----------------------------------------------------------------- the steps
 
@@ -196,11 +205,6 @@ class OnebitDiLoCo(OnebitOptimizer):
         if plan is OUTER and self.param_groups[bucket.group_index]["lr"] == 0:
             return [False] * len(present)
         return present
-
-    def _before_update(self, bucket: Bucket, t: int) -> None:
-        # (called for the buckets with parameters left alone, the same on every rank)
-        if self.plan_for(t) is OUTER:
-            self._left_alone_at = t
 
     def _update_local(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
         """The inner AdamW step of the parameters that have a gradient (each counts its own steps
