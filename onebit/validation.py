@@ -303,9 +303,12 @@ def refuse_unknown(owner: str, options: Mapping[str, Any], refused: Mapping[str,
     (DeepSpeed's accepted-and-ignored keys, other optimizers' settings) and torch.optim's flags
     with the reason, anything else as unexpected; return torch.optim's flags given at values that
     change nothing (:func:`torch_flags_given`), which the optimizer keeps in its param groups."""
-    flags = torch_flags_given(owner, options)
+    refused = refused or {}
+    # (a flag DeepSpeed also accepted and ignored, amsgrad, is refused in its words unless it changes nothing)
+    flags = torch_flags_given(owner, {key: value for key, value in options.items() if key in TORCH_FLAGS and (
+        key not in refused or torch_flag_problem(key, value) is None)})
     others = {key: value for key, value in options.items() if key not in flags}
-    refuse(owner, others, refused or {})
+    refuse(owner, others, refused)
     for key in others:
         raise TypeError(f"{owner} got an unexpected keyword argument {key!r}")
     return flags
