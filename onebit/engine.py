@@ -150,6 +150,13 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             the compressed steps are unchanged; on one rank nothing is sent, nor rounded.
             ``attach_ddp``'s hook follows it. Not with ``comm_backend_name='mpi'`` (MPI has no
             bfloat16 sum: it would send float32). See ``docs/guides/tuning.md``.
+
+    torch.optim's flags (``maximize``, ``foreach``, ``fused``, ``capturable``, ``differentiable``,
+    ``amsgrad``, ``decoupled_weight_decay``) are taken, as keywords or in param groups, at the values
+    that change nothing (:data:`onebit.validation.TORCH_NEUTRAL`) and kept in the groups; other
+    values are refused with the reason. A 0-d tensor ``lr`` is read as its value. Param groups are
+    checked again at each ``step()`` (before it changes anything), as is that no other onebit
+    optimizer stepped this one's parameters since its last step.
     """
 
     #: What the algorithm keeps per parameter and saves (buffers, scalars, the masked buffer, the
