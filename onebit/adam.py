@@ -12,6 +12,7 @@ from . import functional as F
 from .buckets import Bucket
 from .frozen import FrozenVarianceOptimizer
 from .spec import StateSpec
+from .state import TORCH_ADAM, from_torch_adam, to_torch_adam, torch_adam_step
 from .validation import DEEPSPEED_COMMON_REFUSED, check_flag
 
 __all__ = ["OnebitAdam", "adam_step_", "descend_", "step_by_", "decayed_step_", "add_to_params_", "copy_to_params_",
@@ -92,6 +93,39 @@ class OnebitAdam(FrozenVarianceOptimizer):
     def _check_group(cls, group: Mapping[str, Any]) -> None:
         super()._check_group(group)
         check_flag("bias_correction", group["bias_correction"])
+
+    def _from_torch_adam(self, state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """torch's Adam/AdamW state: its moments, step and groups, with ``bias_correction=True``
+        (torch's Adam corrects). A ``freeze_step`` below the loaded step becomes that step: the
+        variance is frozen as loaded (and bias-corrected for the steps it saw), the next step
+        compresses."""
+        step = torch_adam_step(state_dict, type(self).__name__)
+        schedule = self.STATE.schedule.save(self)
+        notes = [f"a {TORCH_ADAM} state dict"]
+        if any(not group["bias_correction"] for group in self.param_groups):
+            notes.append("bias_correction=True from now on, as in torch's Adam")
+        if self.freeze_step is not None and self.freeze_step < step:
+            notes.append(f"freeze_step {step} (was {self.freeze_step}): the variance is frozen as loaded")
+            schedule["freeze_step"] = step
+        meta = {"algorithm": type(self).__name__, "step": step, **schedule}
+        return from_torch_adam(state_dict, self.param_groups, self.state, meta), notes
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as ``torch.optim.AdamW.state_dict()`` gives it, to leave onebit:
+        ``torch.optim.AdamW(model.parameters()).load_state_dict(opt.torch_state_dict())`` continues
+        with the same moments, step, learning rates and (decoupled) weight decay. Needs
+        ``bias_correction=True`` in every group (torch's Adam always corrects its moments); a frozen
+        variance is updated again from the next step on. Hooks of :meth:`state_dict` do not run."""
+        for index, group in enumerate(self.param_groups):
+            if not group["bias_correction"]:
+                beta1, beta2 = group["betas"]
+                t = max(self._step, 1)
+                factor = (1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)
+                raise ValueError(
+                    f"param group {index} has bias_correction=False; torch's Adam always corrects its moments, so at "
+                    f"step {self._step} its steps would be {factor:.4g}x this optimizer's. Set "
+                    f"optimizer.param_groups[{index}]['bias_correction'] = True first to accept that")
+        return to_torch_adam(self._build_state_dict())
 
     def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """Adam on the bucket's averaged gradient: warmup, and ``compress=False`` groups."""

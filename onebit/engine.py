@@ -63,8 +63,8 @@ from .hierarchy import Topology, build_topology, check_hierarchy
 from .layout import check_layout, ranks_holding_other
 from .shards import first_shard
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
-from .validation import (check_common_group, check_engine_options, check_flag, check_params, reduce_dtype_of,
-                         refuse_unknown, with_tuple_betas)
+from .validation import (as_group, check_common_group, check_engine_options, check_flag, check_params,
+                         check_step_order, claim_params, reduce_dtype_of, refuse_unknown)
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,13 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             the compressed steps are unchanged; on one rank nothing is sent, nor rounded.
             ``attach_ddp``'s hook follows it. Not with ``comm_backend_name='mpi'`` (MPI has no
             bfloat16 sum: it would send float32). See ``docs/guides/tuning.md``.
+
+    torch.optim's flags (``maximize``, ``foreach``, ``fused``, ``capturable``, ``differentiable``,
+    ``amsgrad``, ``decoupled_weight_decay``) are taken, as keywords or in param groups, at the values
+    that change nothing (:data:`onebit.validation.TORCH_NEUTRAL`) and kept in the groups; other
+    values are refused with the reason. A 0-d tensor ``lr`` is read as its value. Param groups are
+    checked again at each ``step()`` (before it changes anything), as is that no other onebit
+    optimizer stepped this one's parameters since its last step.
     """
 
     #: What the algorithm keeps per parameter and saves (buffers, scalars, the masked buffer, the
@@ -200,10 +207,11 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         reduce_dtype: Any = None,
         **unknown: Any,
     ) -> None:
-        self.reduce_dtype = self._check_options(unknown, comm_backend_name, backend, bucket_size, nonfinite_grads,
-                                                divergence, scale_block_size, cuda_aware, hierarchy, hierarchy_variant,
-                                                overlap_backward, reduce_dtype)
-        defaults = with_tuple_betas({**defaults, "compress": True})
+        self.reduce_dtype, torch_flags = self._check_options(
+            unknown, comm_backend_name, backend, bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware,
+            hierarchy, hierarchy_variant, overlap_backward, reduce_dtype)
+        # torch.optim's flags at values that change nothing stay in the groups, as torch keeps them
+        defaults = as_group({**defaults, **torch_flags, "compress": True})
         self._check_group(defaults)
         self.bucket_size = bucket_size
         self.scale_block_size = scale_block_size
@@ -241,9 +249,11 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     @classmethod
     def _check_options(cls, unknown: Mapping[str, Any], comm_backend_name: str | None, backend: CommBackend | None,
                        bucket_size: Any, nonfinite_grads: Any, divergence: Any, scale_block_size: Any, cuda_aware: Any,
-                       hierarchy: Any, hierarchy_variant: Any, overlap_backward: Any, reduce_dtype: Any) -> torch.dtype | None:
-        """Validate the constructor's options (no side effects); return ``reduce_dtype`` as the engine keeps it."""
-        refuse_unknown(cls.__name__, unknown, {**cls.DEEPSPEED_REFUSED, **cls.NOT_SETTINGS})
+                       hierarchy: Any, hierarchy_variant: Any, overlap_backward: Any, reduce_dtype: Any
+                       ) -> tuple[torch.dtype | None, dict[str, Any]]:
+        """Validate the constructor's options (no side effects); return ``reduce_dtype`` as the engine
+        keeps it, and torch.optim's flags given at values that change nothing."""
+        torch_flags = refuse_unknown(cls.__name__, unknown, {**cls.DEEPSPEED_REFUSED, **cls.NOT_SETTINGS})
         check_engine_options(bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware)
         check_hierarchy(hierarchy, hierarchy_variant)
         check_flag("overlap_backward", overlap_backward)
@@ -253,7 +263,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         if dtype is not None and "mpi" in (comm_backend_name, getattr(backend, "name", None)):
             raise ValueError(f"reduce_dtype={reduce_dtype!r} saves nothing on the MPI transport: MPI has no bfloat16 "
                              "sum, so it sends float32; leave reduce_dtype at None with comm_backend_name='mpi'")
-        return dtype
+        return dtype, torch_flags
 
     def _two_levels(self, hierarchy: Any, variant: str) -> Topology | None:
         """The two-level topology of ``hierarchy=`` over the transport (None: it falls back to flat)."""
@@ -363,7 +373,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"a param group must be a dict, got {type(param_group).__name__}")
-        param_group = with_tuple_betas(param_group)
+        param_group = as_group(param_group)
         hyper = {k: v for k, v in param_group.items() if k != "params"}
         self._check_group({**self.defaults, **hyper})
         params = param_group.get("params", [])
@@ -383,10 +393,31 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         if self._overlap is not None:
             self._overlap.drain()
         super().add_param_group(param_group)
+        claim_params(self, self.param_groups[-1]["params"])
         if self._backend is not None:
             self._build_group_buckets(len(self.param_groups) - 1)
         if self._overlap is not None:
             self._overlap.attach(self._buckets)
+
+    def _check_before_step(self) -> None:
+        """At each step, before anything changes: every param group's hyperparameters are still
+        valid (they may be changed in ``param_groups`` after construction; an ``lr`` set as a 0-d
+        tensor is read as its value), and no other optimizer took turns updating its parameters
+        (:func:`onebit.validation.check_step_order`). Else a ValueError/TypeError; the step is not
+        taken and work that backward started for it is dropped, so that the state stays as it was."""
+        try:
+            for index, group in enumerate(self.param_groups):
+                try:
+                    if isinstance(group["lr"], torch.Tensor):
+                        group["lr"] = as_group(group)["lr"]
+                    self._check_group(group)
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"param group {index} of {type(self).__name__}: {exc}. The step was not taken and "
+                                    f"nothing changed: fix optimizer.param_groups[{index}]") from None
+            check_step_order(self)
+        except (TypeError, ValueError):
+            self._drain()
+            raise
 
     def _build_group_buckets(self, index: int) -> None:
         group = self.param_groups[index]
@@ -583,6 +614,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_before_step()
         if self._trainable() != self._trainable_at_build:
             self._drain()
             self._rebuild_buckets()

@@ -15,7 +15,7 @@ from .shards import reduce_over_shards_
 from .adam import add_to_params_, as_float
 from .frozen import FrozenVarianceOptimizer
 from .spec import Setting, StateSpec
-from .validation import DEEPSPEED_COMMON_REFUSED, check_choice, check_number
+from .validation import DEEPSPEED_COMMON_REFUSED, TORCH_FLAGS, check_choice, check_number
 
 __all__ = ["OnebitLamb", "TRUST_RATIOS"]
 
@@ -188,7 +188,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
     def _check_group(cls, group: Mapping[str, Any]) -> None:
         super()._check_group(group)
         for key, why in cls.DEEPSPEED_REFUSED.items():
-            if key in group:
+            if key in group and key not in TORCH_FLAGS:  # (torch.optim's flags: checked above, by their value)
                 raise ValueError(f"param group key {key!r} is not read by OnebitLamb ({why}); remove it")
         check_number("max_coeff", group["max_coeff"])
         check_number("min_coeff", group["min_coeff"])

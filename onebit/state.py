@@ -38,7 +38,7 @@ import torch
 from .layout import layout_digest
 from .shards import is_dtensor, like_param, local, local_value
 from .spec import StateSpec
-from .validation import is_int, with_tuple_betas
+from .validation import TORCH_FLAGS, TORCH_NEUTRAL, is_int, torch_flag_problem, with_tuple_betas
 
 if TYPE_CHECKING:
     from .buckets import Bucket
@@ -48,7 +48,8 @@ FORMAT_VERSION = 3
 logger = logging.getLogger("onebit.engine")
 
 __all__ = ["FORMAT_VERSION", "StateDictContract", "build_state_dict", "validate_state_dict", "check_compression_errors",
-           "apply_state", "LoadedState", "saved_step", "allocate_lazy", "release_lazy"]
+           "apply_state", "LoadedState", "saved_step", "allocate_lazy", "release_lazy", "is_torch_adam_state_dict",
+           "torch_adam_step", "from_torch_adam", "to_torch_adam"]
 
 
 @dataclass
@@ -261,6 +262,95 @@ def _validate_buffer(spec: StateSpec, name: str, index: int, p: torch.Tensor, t:
     return t
 
 
+# ----------------------------------------------------------------------------- torch.optim Adam / AdamW
+# A torch.optim.Adam or AdamW state dict: {"state": {key: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups":
+# [{"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", ..., "decoupled_weight_decay", "params"}]}.
+# Its moments are OnebitAdam's with bias_correction=True (torch's Adam always corrects), its step
+# is per parameter (onebit keeps one), its weight decay decoupled where decoupled_weight_decay is True.
+
+TORCH_ADAM = "torch.optim Adam/AdamW"
+_TORCH_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def is_torch_adam_state_dict(sd: Any) -> bool:
+    """Whether ``sd`` is a torch.optim.Adam / AdamW state dict (no onebit entry; every param group
+    has torch's ``betas`` and ``amsgrad``)."""
+    if not isinstance(sd, Mapping) or "onebit" in sd or not isinstance(sd.get("state"), Mapping):
+        return False
+    groups = sd.get("param_groups")
+    return (isinstance(groups, (list, tuple)) and bool(groups)
+            and all(isinstance(g, Mapping) and "onebit" not in g and "betas" in g and "amsgrad" in g for g in groups))
+
+
+def torch_adam_step(sd: Mapping[str, Any], owner: str) -> int:
+    """The step a torch.optim Adam/AdamW state dict ``sd`` continues from, the same for every
+    parameter with state (0 without state); a ValueError lists everything onebit cannot continue
+    (flags whose value changes the maths, an ambiguous weight decay, per-parameter steps)."""
+    problems = []
+    for g, group in enumerate(sd["param_groups"]):
+        decay = group.get("weight_decay", 0.0)
+        for key in TORCH_FLAGS:
+            why = torch_flag_problem(key, group[key], decay) if key in group else None
+            if why is not None:
+                problems.append(f"param group {g} has {key}={group[key]!r} ({why})")
+        if "decoupled_weight_decay" not in group and decay != 0:
+            problems.append(f"param group {g} has weight_decay={decay!r} and does not say whether it is decoupled "
+                            "(AdamW's) or an L2 penalty (Adam's; torch before decoupled_weight_decay existed): set "
+                            f"param_groups[{g}]['decoupled_weight_decay'] = True in the dict if it came from AdamW")
+    steps: dict[float, list[Any]] = {}
+    for key, entry in sd["state"].items():
+        step = entry.get("step") if isinstance(entry, Mapping) else None
+        value = float(step) if isinstance(step, (int, float, torch.Tensor)) and not isinstance(step, bool) else None
+        if value is None or not math.isfinite(value) or value < 0 or value != int(value):
+            problems.append(f"the state of parameter {key!r} has step {step!r}, not a whole number >= 0")
+        else:
+            steps.setdefault(value, []).append(key)
+    if len(steps) > 1:
+        counts = ", ".join(f"{int(v)} for parameters {keys[:4]}{' ...' if len(keys) > 4 else ''}"
+                           for v, keys in sorted(steps.items()))
+        problems.append(f"its parameters are at different steps ({counts}): onebit keeps one step count for "
+                        "every parameter; set every entry's 'step' to one value (the bias correction of the "
+                        "others then changes) to continue")
+    if problems:
+        _fail(f"a {TORCH_ADAM} state dict cannot continue in {owner}: " + "; ".join(problems))
+    return int(next(iter(steps))) if steps else 0
+
+
+def from_torch_adam(sd: Mapping[str, Any], live_groups: list[dict[str, Any]], state: Mapping[Any, Any],
+                    meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The state dict of this format that holds the torch.optim Adam/AdamW state ``sd`` (checked
+    by :func:`torch_adam_step`) for the optimizer of ``live_groups`` and ``state``: its moments,
+    its groups with ``bias_correction=True`` and each live group's ``compress``, ``meta`` (step,
+    schedule) in every group. A parameter without torch state (it never had a gradient) starts
+    from zeros, as in onebit. Shapes and values are checked by :func:`validate_state_dict`."""
+    meta = {"format_version": FORMAT_VERSION, **meta}
+    groups, entries = [], {}
+    for g, saved in enumerate(sd["param_groups"]):
+        live = live_groups[g] if g < len(live_groups) else {"compress": True, "params": []}
+        groups.append({**saved, "bias_correction": True, "compress": live["compress"], "onebit": dict(meta)})
+        for key, p in zip(saved.get("params", []), live["params"]):
+            if key not in sd["state"] and p in state:
+                entries[key] = {name: torch.zeros_like(p, dtype=torch.float32) for name in _TORCH_MOMENTS}
+    for key, entry in sd["state"].items():
+        entries[key] = {name: value for name, value in entry.items() if name != "step"}
+    return {"state": entries, "param_groups": groups}
+
+
+def to_torch_adam(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """A torch.optim.AdamW state dict (it loads into ``torch.optim.Adam`` too, decoupled weight decay
+    included) from OnebitAdam's state dict ``sd`` of this format: each parameter's moments with the
+    step, the groups with torch's flags at their defaults (``decoupled_weight_decay=True``) and
+    without onebit's keys."""
+    meta = _meta(sd, "OnebitAdam")
+    step = torch.tensor(float(meta["step"]), dtype=torch.float32)
+    neutral = {key: values[0] for key, values in TORCH_NEUTRAL.items()}
+    groups = [{**{k: v for k, v in g.items() if k not in ("bias_correction", "compress", "onebit")}, **neutral}
+              for g in sd["param_groups"]]
+    state = {key: {"step": step.clone(), **{name: entry[name] for name in _TORCH_MOMENTS}}
+             for key, entry in sd["state"].items() if isinstance(entry, Mapping) and "exp_avg" in entry}
+    return {"state": state, "param_groups": groups}
+
+
 def check_compression_errors(opt: Any, errors: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
     """``errors`` (or None) fit ``opt.compression_errors()``: same count, same shapes."""
     if errors is None:
@@ -361,6 +451,13 @@ class StateDictContract:
         rank-local; the paper shows a reset does not hurt)."""
         self.restore(state_dict)
 
+    def _from_torch_adam(self, state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """A torch.optim Adam/AdamW ``state_dict`` in this optimizer's format, and what to call it in
+        the load's log line followed by notes on what changed; an algorithm that can continue from
+        one overrides it (OnebitAdam)."""
+        _fail(f"this is a {TORCH_ADAM} state dict; {type(self).__name__} cannot continue from it. OnebitAdam can "
+              "(build OnebitAdam(params, bias_correction=True, ...) and load it there)")
+
     def restore(self, state_dict: dict[str, Any],
                 compression_errors: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """:meth:`load_state_dict`, with this rank's ``compression_errors`` (as
@@ -371,13 +468,17 @@ class StateDictContract:
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        what = ["optimizer state"]  # (what was loaded, and notes for the load's log line)
+        converted = is_torch_adam_state_dict(state_dict)
+        if converted:
+            state_dict, what = self._from_torch_adam(state_dict)
         loaded = validate_state_dict(self.STATE, type(self).__name__, state_dict, self.param_groups, self.state,
                                      self._buckets, self._check_group)
         check_compression_errors(self, compression_errors)
         self._drain()  # work started during a backward is dropped: it read the old state
         # Everything is checked: from here on nothing can fail half-way on the user's input.
         apply_state(self.STATE, loaded, self.param_groups, self.state, self._buckets)
-        self.STATE.schedule.apply(self, loaded.schedule)
+        self.STATE.schedule.apply(self, loaded.schedule, loaded=not converted)  # (else the notes say)
         self._step = loaded.step
         self._steps_taken = 0
         self._synced_at = None
@@ -393,7 +494,8 @@ class StateDictContract:
         # Said at the next step, once, for the last load before it: a framework that loads the state
         # (errors reset) and then an exact resume that restores them log one line, "restored".
         self._load_note = None if getattr(self, "_copying", False) else (
-            "onebit: loaded optimizer state at step %d (next: a %s step); compression errors %s",
+            f"onebit: loaded {what[0]} at step %d (next: a %s step{''.join('; ' + n for n in what[1:])}); "
+            "compression errors %s",
             self._step, self.phase, "restored (exact resume)" if compression_errors is not None else "reset")
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

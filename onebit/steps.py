@@ -156,7 +156,9 @@ class Steps:
         if not self._starts_early(plan):
             self._drain()
             return self._new_round(plan, t, staged=False)
-        if getattr(self, "grad_scale", None) is not None:
+        # (GradScaler sets found_inf at every step, and grad_scale unless unscale_() ran first: the
+        # same rule either way, rather than a redone communication every step after unscale_())
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             self._drain()
             raise ValueError(
                 f"{type(self).__name__}(overlap_backward=True) cannot be used with torch.amp.GradScaler: the "

@@ -5,16 +5,20 @@ Each raises ``TypeError`` or ``ValueError`` naming the value and what it must be
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["is_int", "is_real", "check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
            "check_engine_options", "refuse", "refuse_unknown", "TORCH_FLAGS", "DEEPSPEED_COMMON_REFUSED",
            "COMPRESSION_SPACES", "check_compression_space", "REDUCE_DTYPES", "reduce_dtype_of",
-           "check_update_bound", "with_tuple_betas"]
+           "check_update_bound", "with_tuple_betas", "TORCH_NEUTRAL", "torch_flag_problem", "torch_flags_given",
+           "as_group", "check_lr", "claim_params", "check_step_order"]
 
 
 def check_number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, high_open: bool = False) -> None:
@@ -66,10 +70,63 @@ def check_params(params: list[Any], owner: str) -> None:
             raise ValueError("sparse parameters are not supported; use dense tensors")
 
 
+# Which onebit optimizers hold each parameter (weakly), and when each last stepped: two optimizers
+# may hold one parameter (a second one built to load a checkpoint into, or to compare), but not
+# take turns updating it (see check_step_order).
+_HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> WeakSet of optimizers
+_LAST_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> tick of its last step
+_SHARING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (claims seen, [(other, name)])
+_TICKS = itertools.count(1)
+_claims = [0]  # parameters claimed so far: a change makes each optimizer look for sharers again
+
+
+def claim_params(optimizer: Any, params: list[torch.Tensor]) -> None:
+    """Record that ``optimizer`` holds ``params`` (see :func:`check_step_order`)."""
+    for p in params:
+        _HOLDERS.setdefault(p, weakref.WeakSet()).add(optimizer)
+    _claims[0] += 1
+
+
+def _sharers(optimizer: Any) -> list[tuple[weakref.ref, str]]:
+    """The other live optimizers holding a parameter of ``optimizer``, each with that parameter's name."""
+    found: dict[int, tuple[weakref.ref, str]] = {}
+    for group in optimizer.param_groups:
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            for other in list(_HOLDERS.get(p, ())):
+                if other is not optimizer and id(other) not in found:
+                    name = repr(names[i]) if names else f"of shape {tuple(p.shape)}"
+                    found[id(other)] = (weakref.ref(other), name)
+    return list(found.values())
+
+
+def check_step_order(optimizer: Any) -> None:
+    """At the start of a step of ``optimizer``: raise ValueError if another live onebit optimizer
+    holding one of its parameters stepped since this one's previous step (the two would take
+    turns updating it, each with its own state and collectives); nothing is changed then. Else
+    record the step. A second optimizer that takes over (a checkpoint loaded into it) is free
+    to step; the first one is refused if it steps again."""
+    seen, shared = _SHARING.get(optimizer, (None, []))
+    if seen != _claims[0]:
+        shared = _sharers(optimizer)
+        _SHARING[optimizer] = (_claims[0], shared)
+    mine = _LAST_STEP.get(optimizer)
+    for ref, name in shared:
+        other = ref()
+        if other is not None and mine is not None and _LAST_STEP.get(other, 0) > mine:
+            owner = type(optimizer).__name__
+            raise ValueError(
+                f"{owner}.step(): another optimizer, {type(other).__name__}, holds the same parameter {name} "
+                f"and stepped it since this {owner}'s last step: two optimizers would take turns updating it, "
+                "each with its own state and collectives. Give each parameter to one optimizer (param groups "
+                "give parameters their own settings), or stop stepping (and del) the other one")
+    _LAST_STEP[optimizer] = next(_TICKS)
+
+
 def check_common_group(group: Mapping[str, Any], owner: str) -> None:
     """The hyperparameters every algorithm of the family reads: lr, eps, weight_decay, betas,
     compress (and no DeepSpeed ``exp_avg_mask``, which onebit takes as ``momentum_masks``)."""
-    check_number("lr", group["lr"])
+    check_lr(group["lr"])
     check_number("eps", group["eps"])
     if group["eps"] == 0:
         raise ValueError(
@@ -88,6 +145,34 @@ def check_common_group(group: Mapping[str, Any], owner: str) -> None:
             "param group key 'exp_avg_mask' (DeepSpeed) is not read by onebit; pass "
             f"momentum_masks={{param: mask}} to {owner} instead"
         )
+    for key in TORCH_FLAGS:
+        if key in group:
+            why = torch_flag_problem(key, group[key], group["weight_decay"])
+            if why is not None:
+                raise ValueError(f"{owner} does not take torch.optim's {key}={group[key]!r} in a param group: {why}; "
+                                 f"remove it (or set {_neutral_of(key)})")
+
+
+def check_lr(lr: Any) -> None:
+    """``lr``: a finite real number >= 0 (a 0-d tensor is read as its value by :func:`as_group`)."""
+    if isinstance(lr, torch.Tensor):
+        raise TypeError(f"lr must be a real number or a 0-d real tensor, got a tensor of shape {tuple(lr.shape)} "
+                        f"and dtype {lr.dtype}")
+    check_number("lr", lr)
+
+
+def as_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the param group ``group`` as onebit keeps it: ``betas`` a tuple (see
+    :func:`with_tuple_betas`) and an ``lr`` given as a 0-d real tensor (as torch.optim accepts it)
+    read as its value, a float (what schedulers then set; onebit's step reads numbers)."""
+    group = with_tuple_betas(group)
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor) and lr.dim() == 0 and not lr.is_complex() and lr.dtype != torch.bool:
+        if lr.requires_grad:
+            raise TypeError("a tensor lr that requires grad is not supported: onebit's step cannot be differentiated; "
+                            "pass a float or lr.detach()")
+        group["lr"] = float(lr.item())
+    return group
 
 
 def with_tuple_betas(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,7 +231,8 @@ def refuse(owner: str, options: Mapping[str, Any], refused: Mapping[str, str]) -
             raise TypeError(f"{owner} does not take {key}={options[key]!r}: {why}; remove it")
 
 
-# torch.optim flags that onebit's optimizers do not take, and why.
+# torch.optim flags that onebit's optimizers take only at the values that change nothing for them
+# (TORCH_NEUTRAL), as keyword arguments and in param groups, and why the other values are refused.
 TORCH_FLAGS = {
     "maximize": "onebit minimizes; negate the loss to maximize it",
     "foreach": "onebit always updates its flat buckets with multi-tensor (foreach) operations",
@@ -154,7 +240,53 @@ TORCH_FLAGS = {
     "differentiable": "a step through 1-bit compression and collectives cannot be differentiated",
     "capturable": "CUDA graph capture is not supported: every rank agrees on finite gradients through "
                   "the host before a step changes anything",
+    "amsgrad": "AMSGrad is not implemented",
+    "decoupled_weight_decay": "onebit's weight decay is decoupled, AdamW's (p -= lr * weight_decay * p); Adam's "
+                              "L2 penalty added to the gradient (decoupled_weight_decay=False with a weight_decay) "
+                              "is not implemented",
 }
+
+#: The values of :data:`TORCH_FLAGS` that change nothing in onebit (torch.optim's defaults, and
+#: ``decoupled_weight_decay=True``: onebit's weight decay is AdamW's); ``decoupled_weight_decay=False``
+#: changes nothing either where ``weight_decay`` is 0 (see :func:`torch_flag_problem`).
+TORCH_NEUTRAL = {
+    "maximize": (False,),
+    "foreach": (None,),
+    "fused": (None, False),
+    "differentiable": (False,),
+    "capturable": (False,),
+    "amsgrad": (False,),
+    "decoupled_weight_decay": (True,),
+}
+
+
+def torch_flag_problem(key: str, value: Any, weight_decay: Any = 0.0) -> str | None:
+    """Why torch.optim's flag ``key`` at ``value`` (in a group with ``weight_decay``) would change
+    what onebit does, or None where it changes nothing."""
+    if any(value is neutral for neutral in TORCH_NEUTRAL[key]):
+        return None
+    if key == "decoupled_weight_decay" and value is False and weight_decay == 0:
+        return None  # (torch.optim.Adam's default: no weight decay to couple)
+    return TORCH_FLAGS[key]
+
+
+def _neutral_of(key: str) -> str:
+    return " or ".join(f"{key}={value!r}" for value in TORCH_NEUTRAL[key])
+
+
+def torch_flags_given(owner: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The torch.optim flags among the keyword arguments ``options``, checked: a TypeError names the
+    first at a value that would change something (``decoupled_weight_decay=False`` is checked
+    against each param group's ``weight_decay`` by :func:`check_common_group`)."""
+    flags = {key: value for key, value in options.items() if key in TORCH_FLAGS}
+    for key, value in flags.items():
+        if key == "decoupled_weight_decay" and value is False:
+            continue
+        why = torch_flag_problem(key, value)
+        if why is not None:
+            raise TypeError(f"{owner} does not take torch.optim's {key}={value!r}: {why}; remove it "
+                            f"(or pass {_neutral_of(key)})")
+    return flags
 
 
 # Keys every DeepSpeed 1-bit optimizer accepted and ignored; onebit refuses them, with the reason
@@ -166,15 +298,20 @@ DEEPSPEED_COMMON_REFUSED = {
 }
 
 
-def refuse_unknown(owner: str, options: Mapping[str, Any], refused: Mapping[str, str] | None = None) -> None:
+def refuse_unknown(owner: str, options: Mapping[str, Any], refused: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Raise TypeError for keyword arguments the optimizer does not take: those in ``refused``
     (DeepSpeed's accepted-and-ignored keys, other optimizers' settings) and torch.optim's flags
-    with the reason, anything else as unexpected."""
-    refuse(owner, options, refused or {})
-    for key, value in options.items():
-        if key in TORCH_FLAGS:
-            raise TypeError(f"{owner} does not take torch.optim's {key}={value!r}: {TORCH_FLAGS[key]}; remove it")
+    with the reason, anything else as unexpected; return torch.optim's flags given at values that
+    change nothing (:func:`torch_flags_given`), which the optimizer keeps in its param groups."""
+    refused = refused or {}
+    # (a flag DeepSpeed also accepted and ignored, amsgrad, is refused in its words unless it changes nothing)
+    flags = torch_flags_given(owner, {key: value for key, value in options.items() if key in TORCH_FLAGS and (
+        key not in refused or torch_flag_problem(key, value) is None)})
+    others = {key: value for key, value in options.items() if key not in flags}
+    refuse(owner, others, refused)
+    for key in others:
         raise TypeError(f"{owner} got an unexpected keyword argument {key!r}")
+    return flags
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...], prefix: str = "invalid") -> None:

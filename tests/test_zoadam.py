@@ -824,7 +824,8 @@ def test_attach_ddp_averages_only_on_variance_steps_and_trains_like_the_plain_lo
 # ----------------------------------------------------------------------------- 7. bad input
 
 
-@pytest.mark.parametrize("key", ["max_grad_norm", "eps_inside_sqrt", "amsgrad", "freeze_step"])
+# (amsgrad: torch.optim's flag, accepted at False, refused at True: tests/test_dropin.py)
+@pytest.mark.parametrize("key", ["max_grad_norm", "eps_inside_sqrt", "freeze_step"])
 def test_deepspeed_keys_are_refused_naming_the_key(key):
     value = {"max_grad_norm": 1.0, "freeze_step": 10}.get(key, False)
     with pytest.raises(TypeError, match=f"ZeroOneAdam does not take {key}={value!r}: "):
