@@ -160,8 +160,11 @@ def _handshake(optimizer: OnebitOptimizer, call: str, timeout_s: float) -> None:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # (torch's DistStoreError is one)
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        if not missing:
-            raise
+        if not missing:  # (they came as the wait ended)
+            return
+        # taken back, so that a later call made on every rank meets again
+        store.delete_key(keys[backend.rank])
+        _HANDSHAKES[group] -= 1
         raise RuntimeError(
             f"onebit.{call}: rank {backend.rank} waited {timeout_s:g} s for ranks {missing} of the optimizer's group of "
             f"{backend.world_size}, which did not call it. It is collective: call it on every rank, with the same "

@@ -276,10 +276,10 @@ def _ddp_run(rank: int, use_ddp: bool) -> dict:
     for t in range(1, DDP_STEPS + 1):
         gen = torch.Generator().manual_seed(1000 * t + rank)
         x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
-        synced.append(getattr(net, "require_backward_grad_sync", None))  # before this step's backward
         phases.append(opt.phase)
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(x), y).backward()
+        synced.append(getattr(net, "require_forward_param_sync", None))  # whether DDP synchronized this backward
         opt.step()
         snapshots.append([p.detach().clone() for p in model.parameters()])
     return {"snapshots": snapshots, "synced": synced, "phases": phases, "stats": opt.comm_stats()}
