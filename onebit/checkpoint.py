@@ -223,6 +223,15 @@ def _write_rank_part(path: Path, optimizer: OnebitOptimizer, model: torch.nn.Mod
     return hashlib.sha256(data).hexdigest()
 
 
+def _refuse_dtensors(optimizer: OnebitOptimizer) -> None:
+    if any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            "save_checkpoint writes rank 0's state, and this optimizer's parameters are DTensors (FSDP2 or tensor "
+            "parallel) whose shards live on other ranks too; save sharded state with torch.distributed.checkpoint: "
+            "dcp.save({'model': get_model_state_dict(model), 'optim': get_optimizer_state_dict(model, optimizer)}, "
+            "checkpoint_id=...) (see examples/fsdp)")
+
+
 def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, model: torch.nn.Module | None = None,
                     extra: dict[str, Any] | None = None, exact_resume: bool = False,
                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
@@ -242,12 +251,7 @@ def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     every rank rank 0's state (between the syncs of ``ZeroOneAdam`` and ``OnebitDiLoCo`` call
     ``optimizer.synchronize()`` on every rank first, so that rank 0's replica is everyone's).
     """
-    if any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError(
-            "save_checkpoint writes rank 0's state, and this optimizer's parameters are DTensors (FSDP2 or tensor "
-            "parallel) whose shards live on other ranks too; save sharded state with torch.distributed.checkpoint: "
-            "dcp.save({'model': get_model_state_dict(model), 'optim': get_optimizer_state_dict(model, optimizer)}, "
-            "checkpoint_id=...) (see examples/fsdp)")
+    _refuse_dtensors(optimizer)
     path = Path(path)
     backend = optimizer.backend
     rank, n = backend.rank, backend.world_size
