@@ -65,8 +65,7 @@ def onebit_ddp_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures
             work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
         # reduce_dtype: summed in it, then divided, as the optimizer's own all-reduce does
-        low = sent
-        work = dist.all_reduce(low, group=state.process_group, async_op=True)
+        work = dist.all_reduce(sent, group=state.process_group, async_op=True)
         return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0].div_(state.world_size)))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
