@@ -238,6 +238,7 @@ def ddp_runs(tmp_path_factory):
             for overlap, by_hand in ((False, True), (True, True), (True, False))}
 
 
+@pytest.mark.slow
 def test_comm_stats_under_attach_ddp_count_ddp_s_all_reduce(ddp_runs):
     run = ddp_runs[(False, True)][0]
     warmup, compression, total = (run["stats"][k] for k in ("warmup", "compression", "total"))
@@ -257,6 +258,7 @@ def test_comm_stats_under_attach_ddp_count_ddp_s_all_reduce(ddp_runs):
     assert per_warmup > ddp_bytes and per_compression < per_warmup / 2
 
 
+@pytest.mark.slow
 def test_attach_ddp_follows_ddp_s_sync_flag_however_it_is_set(ddp_runs):
     reference = ddp_runs[(False, True)]
     for key in ((True, True), (True, False)):
@@ -300,6 +302,7 @@ def _rank0_only(rank, world_size, path):
     return out
 
 
+@pytest.mark.slow
 def test_a_collective_checkpoint_call_on_rank_0_only_fails_naming_the_rule(tmp_path):
     results = run_ranks(_rank0_only, 2, tmp_path, tmp_path, timeout=90)
     error = results[0]["error"]
@@ -327,6 +330,7 @@ def _zero_one_under_ddp(rank, world_size):
     return {"before": before, "after": (opt.replicas_identical, clone_params(model.parameters()))}
 
 
+@pytest.mark.slow
 def test_zero_one_adam_under_attach_ddp_needs_synchronize_as_the_guides_say(tmp_path):
     results = run_ranks(_zero_one_under_ddp, 2, tmp_path, timeout=90)
     assert results[0]["before"][0] is False and not all_equal(results[0]["before"][1], results[1]["before"][1])
