@@ -33,14 +33,17 @@ decision. With DTensor parameters each onebit group decides from its own shards.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .validation import is_int
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AutoFreeze", "WINDOW", "MIN_STEPS", "GROWTH_TO_FREEZE", "CHANGE_TO_FREEZE", "WOKEN_TO_FREEZE"]
 
@@ -62,29 +65,58 @@ class AutoFreeze:
     previous: tuple[float, float, float | None] | None = None
     # the steps done at the last check (a step skipped for non-finite gradients is not checked twice)
     checked: int = 0
+    # what the last check measured and why it waited (for the logs; not saved)
+    last_wait: str | None = field(default=None, compare=False)
 
-    def check(self, t: int, done: int, measure) -> str | None:
+    def check(self, t: int, done: int, measure, speaks: Callable[[], bool] = lambda: False) -> str | None:
         """At the start of step ``t``, ``done`` steps applied: why ``t`` is to be the last warmup
         step, or None. ``measure()`` gives ``(denominator total, zero-variance count,
         coordinates, bias-corrected denominator total)`` after the ``done`` steps; it is called
-        every ``WINDOW`` steps only."""
+        every ``WINDOW`` steps only. Where ``speaks()`` (rank 0), each check that waits says in an
+        INFO line what it measured and why it waits, and reaching the latest bound is a WARNING."""
         if self.max_steps is not None and t >= self.max_steps:
+            if speaks():
+                logger.warning("onebit: step %d: the automatic freeze reached its latest bound (%d) before the variance "
+                               "settled (%s): compression starts after this step. If the loss jumps after the switch, "
+                               "raise the bound (freeze_bounds) or give freeze_step as a number of steps",
+                               t, self.max_steps, self.last_wait or "no check had run yet")
             return f"the latest bound, {self.max_steps}"
         if done == 0 or done % WINDOW or done == self.checked:
             return None
         total, zeros, count, corrected = measure()
         previous, self.previous, self.checked = self.previous, (total, zeros, corrected), done
-        if previous is None or t < self.min_steps or total <= 0 or corrected <= 0:
-            return None
+        measured, reasons = self._compare(t, done, previous, (total, zeros, count, corrected))
+        if not reasons:
+            return measured
+        self.last_wait = f"{measured}; waiting because {' and '.join(reasons)}" if measured else reasons[0]
+        if speaks():
+            latest = "none" if self.max_steps is None else f"step {self.max_steps}"
+            logger.info("onebit: step %d: the automatic freeze waits: %s (next check at step %d; latest bound: %s)",
+                        t, self.last_wait, t + WINDOW, latest)
+        return None
+
+    def _compare(self, t: int, done: int, previous: tuple[float, float, float | None] | None,
+                 now: tuple[float, float, int, float]) -> tuple[str, list[str]]:
+        """What the check at step ``t`` measured (``now`` against ``previous``), and why it waits
+        (an empty list: ``t`` is to be the last warmup step)."""
+        total, zeros, count, corrected = now
+        if previous is None:
+            return "", ["it is the first check, with nothing to compare with yet"]
+        if total <= 0 or corrected <= 0:
+            return "", ["the variance is still 0 everywhere"]
         change = (total - previous[0]) / total
         # (a state saved without the corrected total: the frozen one's growth, the stricter test)
         growth = change if previous[2] is None else (corrected - previous[2]) / corrected
         woken = (previous[1] - zeros) / max(count, 1)
-        if growth <= GROWTH_TO_FREEZE and abs(change) <= CHANGE_TO_FREEZE and woken <= WOKEN_TO_FREEZE:
-            return (f"over steps {done - WINDOW + 1}-{done} the frozen denominator changed by {100 * change:+.2f}% "
+        measured = (f"over steps {done - WINDOW + 1}-{done} the frozen denominator changed by {100 * change:+.2f}% "
                     f"(bias-corrected: {100 * growth:+.2f}%) and {previous[1] - zeros:.0f} coordinates left a zero "
                     "variance")
-        return None
+        return measured, [why for why, waiting in (
+            (f"step {t} is before the earliest bound, step {self.min_steps}", t < self.min_steps),
+            (f"the bias-corrected denominator grew more than {100 * GROWTH_TO_FREEZE:g}%", growth > GROWTH_TO_FREEZE),
+            (f"the denominator changed more than {100 * CHANGE_TO_FREEZE:g}%", abs(change) > CHANGE_TO_FREEZE),
+            (f"more than {WOKEN_TO_FREEZE:g} of the coordinates left a zero variance", woken > WOKEN_TO_FREEZE),
+        ) if waiting]
 
     def state(self) -> dict[str, Any]:
         return {"min_steps": self.min_steps, "max_steps": self.max_steps, "checked": self.checked,

@@ -14,6 +14,14 @@ reads the manifest, checks every part it needs against its digest, and, with ``e
 lets the ranks agree (one all-reduce) to restore the errors on every rank or reset them on every
 rank. Stale temporary files of killed writers are removed at the next save.
 
+The functions that communicate are collective: every rank of the optimizer's group calls them
+(``save_checkpoint`` with ``exact_resume``, ``load_checkpoint`` with ``exact_resume``,
+``load_compression_errors``). Over a torch.distributed group the ranks first meet in a handshake
+through the group's store, bounded by ``timeout_s``: a call made on some ranks only (under
+``if rank == 0:``) raises a ``RuntimeError`` naming the ranks that did not come, instead of waiting
+in a collective forever. ``save_checkpoint`` without ``exact_resume`` communicates nothing and
+may be called on rank 0 alone.
+
 Uses only the optimizers' public methods (``state_dict``, ``restore``, ``compression_errors``,
 ``layout_digest``, ``step_count``, ``backend``, ``param_groups``).
 """
@@ -38,6 +46,11 @@ from .state import saved_step
 logger = logging.getLogger(__name__)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_compression_errors", "load_compression_errors"]
+
+#: How long the ranks of a collective checkpoint call wait for each other (seconds) by default.
+HANDSHAKE_TIMEOUT_S = 300.0
+# The handshakes made so far in this process, per group (every rank makes the same sequence).
+_HANDSHAKES: dict[str, int] = {}
 
 _FILE_MARKER = "onebit-checkpoint"
 _MANIFEST_VERSION = 2
@@ -110,6 +123,55 @@ def _device(optimizer: OnebitOptimizer) -> torch.device:
     return params[0].device if params else torch.device("cpu")
 
 
+def _store_of(optimizer: OnebitOptimizer) -> tuple[Any, str] | None:
+    """The torch.distributed store and a name of the optimizer's process group; None when the
+    transport is not a torch.distributed group (MPI, a custom backend) or has no store to reach."""
+    import torch.distributed as dist
+
+    from .backends.torch_dist import TorchDistBackend
+
+    backend = optimizer.backend
+    if not isinstance(backend, TorchDistBackend) or not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(backend.group or dist.group.WORLD)
+    except (AttributeError, RuntimeError, ValueError):  # (a torch without them, a group without a store)
+        return None
+    return store, hashlib.sha256(str(ranks).encode()).hexdigest()[:16]
+
+
+def _handshake(optimizer: OnebitOptimizer, call: str, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until every rank of the optimizer's group has made this call;
+    raise ``RuntimeError`` naming the ranks that did not (see the module docstring)."""
+    import datetime
+
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    backend = optimizer.backend
+    found = _store_of(optimizer) if backend.world_size > 1 else None
+    if found is None:
+        return
+    store, group = found
+    count = _HANDSHAKES[group] = _HANDSHAKES.get(group, 0) + 1
+    keys = [f"onebit/checkpoint/{group}/{count}/{r}" for r in range(backend.world_size)]
+    store.set(keys[backend.rank], call)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # (torch's DistStoreError is one)
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:  # (they came as the wait ended)
+            return
+        # taken back, so that a later call made on every rank meets again
+        store.delete_key(keys[backend.rank])
+        _HANDSHAKES[group] -= 1
+        raise RuntimeError(
+            f"onebit.{call}: rank {backend.rank} waited {timeout_s:g} s for ranks {missing} of the optimizer's group of "
+            f"{backend.world_size}, which did not call it. It is collective: call it on every rank, with the same "
+            f"arguments, not under `if rank == 0:` (save_checkpoint without exact_resume communicates nothing and may be "
+            f"called on rank 0 alone). Pass timeout_s= to wait longer when ranks reach it far apart") from exc
+
+
 def _exchange(optimizer: OnebitOptimizer, part_id: str, digest: str) -> list[tuple[str, str]]:
     """Every rank's (part id, digest): one all-gather."""
     backend = optimizer.backend
@@ -161,8 +223,18 @@ def _write_rank_part(path: Path, optimizer: OnebitOptimizer, model: torch.nn.Mod
     return hashlib.sha256(data).hexdigest()
 
 
+def _refuse_dtensors(optimizer: OnebitOptimizer) -> None:
+    if any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            "save_checkpoint writes rank 0's state, and this optimizer's parameters are DTensors (FSDP2 or tensor "
+            "parallel) whose shards live on other ranks too; save sharded state with torch.distributed.checkpoint: "
+            "dcp.save({'model': get_model_state_dict(model), 'optim': get_optimizer_state_dict(model, optimizer)}, "
+            "checkpoint_id=...) (see examples/fsdp)")
+
+
 def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, model: torch.nn.Module | None = None,
-                    extra: dict[str, Any] | None = None, exact_resume: bool = False) -> None:
+                    extra: dict[str, Any] | None = None, exact_resume: bool = False,
+                    timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
     """Save a checkpoint, all or nothing (see the module docstring): rank 0's state part (the
     optimizer's ``state_dict()``, the model's ``state_dict()`` if given, and ``extra``: plain data,
     ints, floats, strings, tensors, lists, dicts), then the manifest ``path``. Call it on every
@@ -172,18 +244,19 @@ def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     while the ranks' replicas differ, as between the syncs of ``ZeroOneAdam``, its own optimizer
     state and model state: ``model`` is then required), so that :func:`load_checkpoint` on the
     same world size continues the run bit for bit; the ranks then exchange their parts' digests
-    (one all-gather) before rank 0 commits. Without it rank 0 commits alone and the other ranks
-    write nothing; a load then gives every rank rank 0's state.
+    (one all-gather) before rank 0 commits; it is then collective: the ranks first wait for each
+    other at most ``timeout_s`` seconds, and a rank that waits longer raises ``RuntimeError``
+    naming the ranks that did not call it. Without it rank 0 commits alone and the other ranks
+    write nothing, so calling it on rank 0 alone works too (as nanoGPT saves); a load then gives
+    every rank rank 0's state (between the syncs of ``ZeroOneAdam`` and ``OnebitDiLoCo`` call
+    ``optimizer.synchronize()`` on every rank first, so that rank 0's replica is everyone's).
     """
-    if any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError(
-            "save_checkpoint writes rank 0's state, and this optimizer's parameters are DTensors (FSDP2 or tensor "
-            "parallel) whose shards live on other ranks too; save sharded state with torch.distributed.checkpoint: "
-            "dcp.save({'model': get_model_state_dict(model), 'optim': get_optimizer_state_dict(model, optimizer)}, "
-            "checkpoint_id=...) (see examples/fsdp)")
+    _refuse_dtensors(optimizer)
     path = Path(path)
     backend = optimizer.backend
     rank, n = backend.rank, backend.world_size
+    if exact_resume:
+        _handshake(optimizer, "save_checkpoint(exact_resume=True)", timeout_s)
     own = exact_resume and not optimizer.replicas_identical  # the same on every rank
     if own and model is None:
         raise ValueError(f"exact_resume at step {optimizer.step_count}: the ranks hold different parameters "
@@ -285,7 +358,7 @@ def _model_mismatch(saved: Any, model: torch.nn.Module) -> str | None:
 
 
 def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, model: torch.nn.Module | None = None,
-                    exact_resume: bool = False) -> dict[str, Any] | None:
+                    exact_resume: bool = False, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> dict[str, Any] | None:
     """Load the checkpoint committed at ``path`` into ``optimizer`` (and ``model``); return
     ``extra``. Call it on every rank, with the same arguments.
 
@@ -293,7 +366,9 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     part, a checkpoint of a different model, or a newer format raise ``ValueError`` and leave model
     and optimizer as they were. Compression errors are reset, unless ``exact_resume``: then every
     rank checks its own part (world size, layout, step, digest) and the ranks agree with one
-    all-reduce to restore on every rank or reset on every rank; every rank logs what it did.
+    all-reduce to restore on every rank or reset on every rank; every rank logs what it did (the
+    ranks first meet as in :func:`save_checkpoint`, within ``timeout_s``). A checkpoint saved with
+    ``exact_resume`` and loaded without it has its errors reset, and rank 0 says so in a WARNING.
     """
     path = Path(path)
     manifest = _read(path)
@@ -309,7 +384,12 @@ def load_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
         _fail(f"{path}: {mismatch}")
     mine = None
     backend = optimizer.backend
+    if not exact_resume and manifest.get("parts", {}).get("ranks") and backend.rank == 0:
+        logger.warning("onebit: %s was saved with exact_resume=True and is loaded without it: the compression errors "
+                       "it holds are reset. Pass exact_resume=True to load_checkpoint to continue bit for bit (on the "
+                       "world size, layout and step it was saved with)", path)
     if exact_resume:
+        _handshake(optimizer, "load_checkpoint(exact_resume=True)", timeout_s)
         step = saved_step(sd)
         mine, reason = _everywhere_or_nowhere(optimizer, *_own_part(path, manifest, optimizer, step, model))
         if mine is None:
@@ -348,12 +428,15 @@ def save_compression_errors(directory: str | os.PathLike, optimizer: OnebitOptim
     _atomic_write(_serialize(part), _errors_path(Path(directory)))
 
 
-def load_compression_errors(directory: str | os.PathLike, optimizer: OnebitOptimizer) -> bool:
+def load_compression_errors(directory: str | os.PathLike, optimizer: OnebitOptimizer, *,
+                            timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bool:
     """After ``set_optimizer_state_dict`` from the DCP checkpoint ``directory``: restore this rank's
     compression errors written there by :func:`save_compression_errors` when every rank of the
     optimizer's group can (same step, world size and layout; one all-reduce), else leave them
     reset on every rank of the group, with one log line saying why. Returns whether they were
-    restored. Call it on every rank."""
+    restored. Call it on every rank (they first meet as in :func:`save_checkpoint`, within
+    ``timeout_s``)."""
+    _handshake(optimizer, "load_compression_errors", timeout_s)
     path = _errors_path(Path(directory))
     backend = optimizer.backend
     mine, reason = None, ""

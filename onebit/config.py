@@ -3,7 +3,8 @@
 A whole DeepSpeed config is accepted as it is; only its optimizer section is read::
 
     {
-      "train_batch_size": 4096,                      # other sections: ignored (one log line)
+      "train_batch_size": 4096,                      # other sections: not read (one log line;
+                                                     # a WARNING for fp16, clipping, ...: LOOP_SECTIONS)
       "optimizer": {
         "type": "OneBitAdam",                        # or "OneBitLamb", "ZeroOneAdam"; case-insensitive
         "params": {"lr": 4e-4, "weight_decay": 0.01, "freeze_step": 23000,
@@ -40,7 +41,7 @@ from .validation import REDUCE_DTYPES, is_int, is_real
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["from_config", "load_config", "optimizer_kwargs", "config_keys"]
+__all__ = ["ConfigError", "from_config", "load_config", "optimizer_kwargs", "config_keys", "LOOP_SECTIONS"]
 
 OPTIMIZER_TYPE = "OneBitAdam"  # the one named in hints
 _SECTION = "optimizer"
@@ -94,8 +95,28 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
        for key in ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")},
 }
 
+# Sections of a DeepSpeed config that the DeepSpeed engine applies and a plain training loop must
+# apply itself: section -> what to do instead. from_config names those present in a WARNING.
+LOOP_SECTIONS: dict[str, str] = {
+    "fp16": "fp16 loss scaling: use torch.autocast(device_type, dtype=torch.float16) and "
+            "torch.amp.GradScaler (scaler.scale(loss).backward(); scaler.step(opt); scaler.update())",
+    "bf16": "bfloat16: use torch.autocast(device_type, dtype=torch.bfloat16) around the forward",
+    "amp": "mixed precision: use torch.autocast (and torch.amp.GradScaler for float16)",
+    "gradient_clipping": "clipping: call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) between "
+                         "backward and step() (after the switch each rank clips its own gradient; see the "
+                         "training-loop guide)",
+    "scheduler": "the learning-rate schedule: use a torch.optim.lr_scheduler on the optimizer",
+    "gradient_accumulation_steps": "gradient accumulation: run that many backward passes per step() yourself",
+    "zero_optimization": "ZeRO: onebit does not shard optimizer state; shard with FSDP2 and pass group=",
+}
+
 # Optimizer arguments that take Python objects: arguments of from_config instead.
 _NOT_IN_FILES = ("params", "backend", "group", "momentum_masks")
+
+
+class ConfigError(ValueError, TypeError):
+    """Several problems of one config, listed in one message (a ``ValueError`` and a ``TypeError``,
+    whatever the problems' own types; a single problem raises its own exception)."""
 
 
 def config_keys(cls: type[OnebitOptimizer]) -> tuple[str, ...]:
@@ -214,30 +235,41 @@ def optimizer_kwargs(config: Mapping[str, Any]) -> tuple[type[OnebitOptimizer], 
     if "type" not in section:
         raise ValueError(f"the 'optimizer' section has no 'type'; set \"type\": \"{OPTIMIZER_TYPE}\"")
     kind, cls = _optimizer_type(section["type"])
-    keys, ignored, foreign = config_keys(cls), cls.DEEPSPEED_REFUSED, cls.NOT_SETTINGS
     params = section.get("params", {})
     if params is None:
         params = {}
     if not isinstance(params, Mapping):
         raise TypeError(f"optimizer.params must be a mapping of keyword arguments, got {type(params).__name__}")
     kwargs: dict[str, Any] = {}
+    problems = [problem for key, value in params.items()
+                if (problem := _param_problem(kind, cls, key, value)) is not None]
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in optimizer.params of {kind}:\n"
+                          + "\n".join(f"  {i}. {problem}" for i, problem in enumerate(problems, 1)))
     for key, value in params.items():
-        if key in ignored:
-            raise ValueError(
-                f"optimizer.params.{key} is not supported by {kind} ({ignored[key]}); DeepSpeed accepted "
-                f"and ignored it, onebit does not: remove {key!r} from the config"
-            )
-        if key in foreign:
-            raise ValueError(f"optimizer.params.{key} is not a setting of {kind} ({foreign[key]}): "
-                             f"remove {key!r} from the config")
-        if key not in keys:
-            valid = ", ".join(repr(k) for k in keys)
-            raise ValueError(f"unknown key {key!r} in optimizer.params of {kind}; expected some of {valid}")
-        check, expected = _CHECKS.get(key, (lambda v: True, ""))
-        if not check(value):
-            raise _type_error(key, value, expected)
         kwargs[key] = tuple(value) if key == "betas" else value
     return cls, kwargs, others
+
+
+def _param_problem(kind: str, cls: type[OnebitOptimizer], key: Any, value: Any) -> Exception | None:
+    """What is wrong with ``optimizer.params.<key> = value`` for ``cls``, as the exception to raise;
+    None when nothing is (ranges are the optimizer's to check)."""
+    ignored, foreign, keys = cls.DEEPSPEED_REFUSED, cls.NOT_SETTINGS, config_keys(cls)
+    if key in ignored:
+        return ValueError(
+            f"optimizer.params.{key} is not supported by {kind} ({ignored[key]}); DeepSpeed accepted "
+            f"and ignored it, onebit does not: remove {key!r} from the config"
+        )
+    if key in foreign:
+        return ValueError(f"optimizer.params.{key} is not a setting of {kind} ({foreign[key]}): "
+                          f"remove {key!r} from the config")
+    if key not in keys:
+        valid = ", ".join(repr(k) for k in keys)
+        return ValueError(f"unknown key {key!r} in optimizer.params of {kind}; expected some of {valid}")
+    check, expected = _CHECKS.get(key, (lambda v: True, ""))
+    return None if check(value) else _type_error(key, value, expected)
 
 
 def from_config(
@@ -266,7 +298,8 @@ def from_config(
         ValueError / TypeError: a missing optimizer section, another optimizer type, an unknown
             key in ``params`` (the message lists the valid ones), or a value of the wrong type.
     """
-    cls, kwargs, others = optimizer_kwargs(load_config(config))
+    config = load_config(config)
+    cls, kwargs, others = optimizer_kwargs(config)
     if backend is not None and "comm_backend_name" in kwargs:
         raise ValueError(
             f"the config sets comm_backend_name={kwargs['comm_backend_name']!r} and backend= was passed too; "
@@ -274,5 +307,26 @@ def from_config(
         )
     optimizer = cls(params, backend=backend, group=group, momentum_masks=momentum_masks, **kwargs)
     if others and optimizer.backend.rank == 0:
-        logger.info("onebit: config sections not read by onebit (apply them yourself if needed): %s", ", ".join(others))
+        _tell_sections(config, others)
     return optimizer
+
+
+def _enabled(value: Any) -> bool:
+    """Whether a config section asks for something (``{"enabled": false}``, ``0``, ``null`` do not;
+    ``"auto"``, a value another tool fills in, does)."""
+    if isinstance(value, Mapping):
+        value = value.get("enabled", True)
+    return value is not None and value is not False and value != 0
+
+
+def _tell_sections(config: Mapping[str, Any], others: list[str]) -> None:
+    """One log line naming the sections onebit does not read: a WARNING, saying what to do, when
+    some are ones a plain loop must apply itself (:data:`LOOP_SECTIONS`), else INFO."""
+    loop = [name for name in others if name in LOOP_SECTIONS and _enabled(config[name])]
+    rest = ", ".join(name for name in others if name not in loop)
+    if not loop:
+        logger.info("onebit: config sections not read by onebit (apply them yourself if needed): %s", rest)
+        return
+    todo = "; ".join(f"{name!r}: {LOOP_SECTIONS[name]}" for name in loop)
+    logger.warning("onebit: from_config builds the optimizer only; outside the DeepSpeed engine your loop must apply "
+                   "these sections itself: %s%s", todo, f" (not read either: {rest})" if rest else "")

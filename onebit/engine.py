@@ -558,9 +558,11 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         return self._health.divergence
 
     def comm_stats(self) -> dict[str, Any]:
-        """Communication statistics of this rank, per plan name and for the last step.
+        """Communication statistics of this rank, per plan name, in total and for the last step.
 
-        ``bytes_sent`` counts what this rank sends under a bandwidth-optimal algorithm for each
+        The keys are the same for every optimizer: every plan name of every onebit optimizer
+        (:meth:`stats_plan_names`; zeros for the plans this one never runs), ``total`` (all plans)
+        and ``last_step``. ``bytes_sent`` counts what this rank sends under a bandwidth-optimal algorithm for each
         collective (see :mod:`onebit.stats`). ``worker_error_norm`` / ``server_error_norm`` are
         the current L2 norms of the compression errors (computed on request).
         ``skipped_in_a_row``: the current run of steps skipped for non-finite gradients;
@@ -577,7 +579,8 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             "phase": self.phase,
             "step": self._step,
             "buckets": len(self._buckets),
-            **{name: self._backend.stats_dict(name) for name in self._backend.totals},
+            **{name: self._backend.stats_dict(name) for name in self.stats_plan_names()},
+            "total": self._backend.total_dict(),
             "last_step": self._backend.stats_dict(None),
             "worker_error_norm": l2_norm(w for w, _ in errors),
             "server_error_norm": l2_norm(s for _, s in errors),
@@ -588,6 +591,20 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
 
     def reset_comm_stats(self) -> None:
         self._backend.reset()
+
+    def stats_plan_names(self) -> tuple[str, ...]:
+        """The plan names :meth:`comm_stats` has a key for: this optimizer's, then every other
+        registered optimizer's (``"warmup"``, ``"compression"``, ``"variance"``, ...)."""
+        names = dict.fromkeys(self.PLAN_NAMES)
+        for cls in OnebitOptimizer.registered().values():
+            names.update(dict.fromkeys(cls.PLAN_NAMES))
+        return tuple(names)
+
+    def record_framework_bytes(self, nbytes: int) -> None:
+        """Count, in :meth:`comm_stats`, one collective of ``nbytes`` (what this rank sends, as
+        :mod:`onebit.stats` counts) that a framework runs for the coming step, e.g. DDP's gradient
+        all-reduce of a bucket under :func:`onebit.integrations.attach_ddp` (its hook reports it)."""
+        self._backend.record_framework(self.next_plan.name, nbytes)
 
     def set_gradients_averaged(self, averaged: bool) -> None:
         """Declare that on steps whose plan averages gradients they arrive already averaged over

@@ -187,7 +187,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         if self._auto is None or self.freeze_step is not None:
             return
         done = self._step
-        reason = self._auto.check(t, done, lambda: autofreeze.measure(self._buckets, self.param_groups, done))
+        reason = self._auto.check(t, done, lambda: autofreeze.measure(self._buckets, self.param_groups, done),
+                                  speaks=lambda: self._speaks)
         if reason is not None:
             self.freeze_step = t
             if self._speaks:

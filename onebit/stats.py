@@ -6,6 +6,11 @@ exchange sends from one rank), so they compare across transports:
 * all-reduce of ``B`` bytes: ``2 (n-1) / n * B``;
 * all-to-all of ``B`` input bytes: ``(n-1) / n * B`` (the rows for the other ranks);
 * all-gather of ``B`` bytes per rank: ``(n-1) * B``.
+
+A framework's collectives that a step depends on (DDP's gradient all-reduce under
+:func:`onebit.integrations.attach_ddp`) are counted too, when the adapter reports them
+(:meth:`InstrumentedBackend.record_framework`): in ``bytes_sent`` and ``collectives``, and on
+their own in ``framework_bytes_sent``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class PhaseStats:
     collectives: int = 0
     comm_time_s: float = 0.0
     step_time_s: float = 0.0
+    # bytes of a framework's collectives for these steps (in bytes_sent too; their time is not in comm_time_s)
+    framework_bytes_sent: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,6 +84,9 @@ class InstrumentedBackend(CommBackend):
         self.kind = self.names[0]
         self.totals = {name: PhaseStats() for name in self.names}
         self.last_step = PhaseStats()
+        # a framework's bytes reported before the step they serve began (DDP's, during backward)
+        self._early = PhaseStats()
+        self._in_step = False
         for level in getattr(self, "levels", {}).values():
             level.reset()
 
@@ -89,7 +99,8 @@ class InstrumentedBackend(CommBackend):
 
     def begin_step(self, kind: str) -> None:
         self.kind = kind
-        self.last_step = PhaseStats()
+        self.last_step, self._early = self._early, PhaseStats()
+        self._in_step = True
         for level in getattr(self, "levels", {}).values():
             level.begin_step(kind)
 
@@ -99,20 +110,42 @@ class InstrumentedBackend(CommBackend):
         ``inter_node_bytes_sent`` the two-level all-reduce's groups alone (what crosses the network
         between nodes is ``inter_node_bytes_sent``; the group-wide collectives, e.g. the
         finiteness flag, are in ``bytes_sent`` only)."""
-        out = (self.last_step if kind is None else self.totals[kind]).as_dict()
+        out = (self.last_step if kind is None else self.totals.get(kind, PhaseStats())).as_dict()
         for name, level in getattr(self, "levels", {}).items():
-            stats = level.last_step if kind is None else level.totals[kind]
+            stats = level.last_step if kind is None else level.totals.get(kind, PhaseStats())
             out["bytes_sent"] += stats.bytes_sent
             out["collectives"] += stats.collectives
             out["comm_time_s"] += stats.comm_time_s
             out[f"{name}_bytes_sent"] = stats.bytes_sent
         return out
 
+    def total_dict(self) -> dict[str, Any]:
+        """:meth:`stats_dict` summed over every plan name."""
+        total: dict[str, Any] = {}
+        for name in self.names:
+            for key, value in self.stats_dict(name).items():
+                total[key] = total.get(key, 0) + value
+        return total
+
     def end_step(self, applied: bool, seconds: float) -> None:
         for stats in (self.totals[self.kind], self.last_step):
             stats.steps += int(applied)
             stats.skipped_steps += int(not applied)
             stats.step_time_s += seconds
+        self._in_step = False
+
+    def record_framework(self, kind: str, nbytes: int) -> None:
+        """Count one collective of ``nbytes`` (sent by this rank, as the module docstring counts)
+        that a framework ran for a step of plan ``kind``: under ``kind``, and in the last step's
+        statistics of that step (reported before it began, e.g. during backward: when it begins)."""
+        if kind not in self.totals:
+            raise ValueError(f"unknown plan name {kind!r}; expected one of {', '.join(map(repr, self.names))}")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        for stats in (self.totals[kind], self.last_step if self._in_step else self._early):
+            stats.bytes_sent += nbytes
+            stats.framework_bytes_sent += nbytes
+            stats.collectives += 1
 
     @property
     def rank(self) -> int:

@@ -279,7 +279,7 @@ def _under_ddp(rank: int, world_size: int, directory: str) -> dict:
             opt.zero_grad(set_to_none=True)
             x, y = _batch(rank, t)
             torch.nn.functional.mse_loss(net(x), y).backward()
-            synced.append(getattr(net, "require_backward_grad_sync", None))
+            synced.append(getattr(net, "require_forward_param_sync", None))  # whether DDP synchronized it
             opt.step()
             trajectory.append([p.detach().clone() for p in model.parameters()])
         out[mode] = {"trajectory": trajectory, "synced": synced, "stats": opt.comm_stats()}

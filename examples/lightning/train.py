@@ -112,7 +112,8 @@ class CountCollectives(Callback):
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         model = trainer.strategy.model
-        self.sync_flags[self.optimizer.step_count + 1].append(bool(getattr(model, "require_backward_grad_sync", False)))
+        # whether DDP's forward prepared a synchronized backward (attach_ddp leaves the user's flag as it was)
+        self.sync_flags[self.optimizer.step_count + 1].append(bool(getattr(model, "require_forward_param_sync", False)))
 
     def teardown(self, trainer, pl_module, stage) -> None:
         if self._original is not None:

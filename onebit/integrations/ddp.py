@@ -4,23 +4,29 @@ sends nothing on the others.
 With ``DistributedDataParallel``, gradients are averaged during backward, overlapped with it. On a
 step whose plan averages gradients in full precision (1-bit Adam's and 1-bit LAMB's warmup) that is
 exactly what the optimizer needs; on the others the gradients must stay local (the optimizer
-compresses the momentum instead), so the hook returns each bucket untouched (and
-:func:`attach_ddp` turns DDP's gradient synchronization off for those steps, so the hook is not
-even called). The hook reads ``optimizer.next_plan``, the plan of the next ``step()``; it changes
-nothing on the model or the optimizer except what :func:`attach_ddp` documents. It works for every
+compresses the momentum instead), so DDP's gradient synchronization is off for the forward and
+backward of those steps (and the hook, were it called, would return each bucket untouched). The
+hook reads ``optimizer.next_plan``, the plan of the next ``step()``. DDP's sync flag
+``require_backward_grad_sync`` stays the user's: :func:`attach_ddp` combines it with the plan for
+the length of each forward only, so that code that sets the flag itself each micro-batch (nanoGPT's
+gradient accumulation) or enters ``ddp_model.no_sync()`` keeps working, and the flag also tells an
+optimizer with ``overlap_backward=True`` which backward ends an accumulation. It works for every
 onebit optimizer.
+
+The hook counts the bytes of DDP's all-reduces in the optimizer's ``comm_stats()``
+(``framework_bytes_sent``, inside ``bytes_sent``). Not counted: DDP's broadcast of the model's
+buffers at each forward (``broadcast_buffers=True``, for models with buffers such as BatchNorm's
+running statistics) and its one-time broadcast of the parameters when it is built.
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at run time.
 
-import contextlib
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..compression import allreduce_wire_bytes
 from ..engine import OnebitOptimizer, optimizer_names
 
 __all__ = ["attach_ddp", "follow_plan", "onebit_ddp_hook", "unwrap_optimizer"]
@@ -42,6 +48,8 @@ class _HookState:
         self.optimizer = optimizer
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        # DDP's sync flag as the user left it, read at the last forward with gradients enabled
+        self.user_sync = True
 
 
 def onebit_ddp_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -50,13 +58,14 @@ def onebit_ddp_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures
     buffer = bucket.buffer()
     if state.optimizer.next_plan.average_gradients:
         dtype = state.optimizer.reduce_dtype if state.world_size > 1 else None
+        sent = buffer if dtype is None else buffer.to(dtype)
+        state.optimizer.record_framework_bytes(allreduce_wire_bytes(sent.numel() * sent.element_size(), state.world_size))
         if dtype is None:
             buffer.div_(state.world_size)
             work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
         # reduce_dtype: summed in it, then divided, as the optimizer's own all-reduce does
-        low = buffer.to(dtype)
-        work = dist.all_reduce(low, group=state.process_group, async_op=True)
+        work = dist.all_reduce(sent, group=state.process_group, async_op=True)
         return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0].div_(state.world_size)))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
@@ -70,13 +79,15 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
     before the first backward.
 
     On the other steps DDP would still copy every gradient into its buckets and back for a hook
-    that sends nothing; so after each ``step()`` (and ``load_state_dict``) this sets
-    ``ddp_model.require_backward_grad_sync`` (the flag ``ddp_model.no_sync()`` sets) to whether the
-    next step averages gradients: DDP skips its gradient buckets otherwise, as under
-    ``no_sync()``. A ``no_sync()`` block of your own (gradient accumulation) still works: it
-    restores the flag when it exits. With ``overlap_backward=True`` the optimizer starts the
-    compressed steps' communication during backward, and ``ddp_model.no_sync()`` enters
-    ``optimizer.no_sync()`` too, so that accumulation's micro-batches start nothing.
+    that sends nothing; so during each forward with gradients enabled (when DDP reads it), DDP's
+    sync flag ``ddp_model.require_backward_grad_sync`` is the user's flag *and* whether the next
+    step averages gradients, and the user's value is put back when the forward returns (or
+    raises). Gradient accumulation works however the flag is set: ``with ddp_model.no_sync():``
+    around the micro-batches before the last, or the flag set by hand before each forward
+    (``ddp_model.require_backward_grad_sync = last_micro_step``, as nanoGPT does). With
+    ``overlap_backward=True`` the same flag is the optimizer's accumulation boundary: a backward
+    whose forward ran with the flag False (a micro-batch before the last) starts nothing, and the
+    last one starts the compressed steps' communication.
 
     The DDP model and the optimizer must use the same ranks: the process group of ``ddp_model``
     and the optimizer's backend must have the same world size.
@@ -92,34 +103,27 @@ def attach_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: 
             f"the DDP model spans {state.world_size} ranks but the optimizer's backend has "
             f"{optimizer.backend.world_size}; give both the same data-parallel group"
         )
+    follow_plan(optimizer, lambda average: None)  # (the flag is combined with the plan at each forward)
     ddp_model.register_comm_hook(state, onebit_ddp_hook)
-    # The optimizer reaches the model weakly: DDP's C++ reducer holds the hook state and so the
-    # optimizer, an edge Python's garbage collector cannot see, and a strong way back would make
-    # a cycle never freed that keeps the process group (and its gloo threads) alive at exit.
-    model = weakref.ref(ddp_model)
-
-    def apply(average: bool) -> None:
-        target = model()
-        if target is not None:
-            target.require_backward_grad_sync = average
-
-    follow_plan(optimizer, apply)
+    _follow_sync_flag(ddp_model, state)
     if optimizer.overlap_backward:
-        _sync_with(ddp_model, optimizer)
+        optimizer.set_accumulation_boundary(lambda: state.user_sync)
 
 
-def _sync_with(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: OnebitOptimizer) -> None:
-    """``ddp_model.no_sync()`` enters ``optimizer.no_sync()`` too: the micro-batches a framework
-    runs under DDP's ``no_sync()`` (Lightning, Accelerate and the HF Trainer do, before the last of
-    an accumulation) start nothing during their backward (``overlap_backward``)."""
-    ddp_no_sync = ddp_model.no_sync
+def _follow_sync_flag(ddp_model: torch.nn.parallel.DistributedDataParallel, state: _HookState) -> None:
+    """Around each forward with gradients enabled: remember the user's sync flag, give DDP the
+    flag and the plan, and put the user's flag back after the forward (even when it raises)."""
+    def before(module: torch.nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            state.user_sync = bool(module.require_backward_grad_sync)
+            module.require_backward_grad_sync = state.user_sync and state.optimizer.next_plan.average_gradients
 
-    @contextlib.contextmanager
-    def no_sync() -> Iterator[None]:
-        with ddp_no_sync(), optimizer.no_sync():
-            yield
+    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            module.require_backward_grad_sync = state.user_sync
 
-    ddp_model.no_sync = no_sync
+    ddp_model.register_forward_pre_hook(before)
+    ddp_model.register_forward_hook(after, always_call=True)
 
 
 def follow_plan(optimizer: OnebitOptimizer, apply: Any) -> None:
