@@ -25,6 +25,8 @@ __all__ = ["OnebitDiLoCo", "INNER", "OUTER"]
 INNER = StepPlan("inner")  # an AdamW step on the local gradient; nothing is sent
 OUTER = StepPlan("outer", compress=True)  # the inner step, then the 1-bit average of the pseudo-gradient
 COMPRESSIONS = ("onebit", "none")
+#: where the part of the pseudo-gradient that one bit did not carry waits for the next outer step
+ERROR_FEEDBACK = ("buffer", "model")
 
 
 def _check_outer(sync_every: Any, outer_lr: Any, outer_momentum: Any, saved: bool = False) -> None:
@@ -52,11 +54,17 @@ def _check_outer_momentum(value: Any) -> float:
     return float(value)
 
 
+def _check_error_feedback(value: Any) -> str:
+    check_choice("error_feedback", value, ERROR_FEEDBACK)
+    return value
+
+
 #: the schedule saved with the state: the position in the round comes from the step number
 SCHEDULE = Schedule((
     Setting("sync_every", lambda value: _check_sync_every(value, saved=True)),
     Setting("outer_lr", lambda value: _check_outer_lr(value, saved=True)),
     Setting("outer_momentum", _check_outer_momentum),
+    Setting("error_feedback", lambda value: _check_error_feedback(value), absent="buffer", omit="buffer"),
 ))
 
 
@@ -103,6 +111,15 @@ class OnebitDiLoCo(OnebitOptimizer):
         compression: ``"onebit"`` (default): the error-compensated 1-bit all-reduce; ``"none"``:
             the exact float32 mean (:class:`onebit.exact.ExactAverage`, 32x the bytes), the twin
             to measure the bit against.
+        error_feedback: where the residual (what one bit did not carry of ``delta`` plus the
+            last residual) waits for the next outer step: ``"buffer"`` (the classic error feedback:
+            in the worker error, added to the next outer step's input; every rank continues from
+            the global parameters) or ``"model"`` (in the worker's own parameters: every rank
+            continues from ``global_params - residual``, so its inner steps compute their
+            gradients where the uncompressed average would have put it, and the next ``delta``
+            holds the residual; the worker error is 0 between outer steps). The bytes and the
+            global parameters' update are the same; the parameters then differ between ranks by
+            their residuals after an outer step too (:meth:`synchronize` averages them).
         bias_correction: the inner AdamW's bias correction (on by default, as in torch).
         **options: the keyword-only options of every onebit optimizer (transport, group, masks,
             buckets, scale blocks, non-finite gradients, divergence, kernels): see
@@ -145,12 +162,13 @@ class OnebitDiLoCo(OnebitOptimizer):
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         compression: str = "onebit",
+        error_feedback: str = "buffer",
         bias_correction: bool = True,
         **options: Any,
     ) -> None:
         _check_outer(sync_every, outer_lr, outer_momentum)
         check_choice("compression", compression, COMPRESSIONS)
-        self.compression = compression
+        self.compression, self.error_feedback = compression, _check_error_feedback(error_feedback)
         for name in ("overlap_backward", "hierarchy"):
             if options.get(name) not in (None, False):
                 raise ValueError(f"OnebitDiLoCo({name}={options[name]!r}) is not supported: its inner steps send "
@@ -263,8 +281,22 @@ class OnebitDiLoCo(OnebitOptimizer):
             b.mul_(mu).add_(delta)
             delta.add_(b, alpha=mu)
         theta.sub_(delta, alpha=self.outer_lr)  # (masked coordinates: their average is 0, so theta and b stay)
+        if self.error_feedback == "model" and self.compression == "onebit":
+            self._keep_residual(bucket)
+            return
         for p, view in zip(bucket.params, bucket.views["global_params"]):
             p.copy_(view)
+
+    def _keep_residual(self, bucket: Bucket) -> None:
+        """``error_feedback="model"``: the parameters are the global ones minus this rank's worker
+        error (none where a momentum mask is 0), and the worker error is 0 again: the residual
+        travels in the parameters to the next outer step's ``delta``."""
+        residual = bucket.compression.worker_error
+        if bucket.mask is not None:
+            residual.mul_(bucket.mask)
+        for p, theta, r in zip(bucket.params, bucket.views["global_params"], bucket.view(residual)):
+            p.copy_(torch.sub(theta, r))
+        residual.zero_()
 
     def _adopt(self, bucket: Bucket, index: int, newcomers: list[int]) -> None:
         super()._adopt(bucket, index, newcomers)

@@ -18,6 +18,7 @@ import torch
 import onebit
 from distributed import run_ranks
 from onebit import OnebitDiLoCo, load_checkpoint, save_checkpoint
+from onebit.compression import SegmentLayout
 from onebit.testing import simulate_compressed_allreduce
 
 H = 3
@@ -72,8 +73,10 @@ def test_inner_steps_are_torch_adamw():
 
 
 def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentum: float = 0.9,
-             compression: str = "onebit") -> list[list]:
-    """Every rank's parameters after every step, from the maths (see the module docstring)."""
+             compression: str = "onebit", error_feedback: str = "buffer") -> list[list]:
+    """Every rank's parameters after every step, from the maths (see the module docstring);
+    ``error_feedback="model"``: the worker errors start every outer step at 0, and each rank
+    continues from the global parameters minus its own (unpadded) worker error."""
     models = [_model() for _ in range(world_size)]
     inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
     glob = _model()
@@ -97,18 +100,24 @@ def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentu
             for g, piece in zip(glob.parameters(), average.split(numels)):
                 g.grad = piece.view_as(g).clone()
             outer.step()
+            residuals = [[torch.zeros_like(g) for g in glob.parameters()] for _ in models]
+            if error_feedback == "model" and compression == "onebit":
+                starts = SegmentLayout.build(numels, world_size).starts
+                residuals = [[e[start:start + g.numel()].view_as(g) for start, g in zip(starts, glob.parameters())]
+                             for e in errors[0]]
+                errors = (None, errors[1])
             with torch.no_grad():
-                for m in models:
-                    for p, g in zip(m.parameters(), glob.parameters()):
-                        p.copy_(g)
+                for m, residual in zip(models, residuals):
+                    for p, g, r in zip(m.parameters(), glob.parameters(), residual):
+                        p.copy_(g - r)
         out.append([[p.detach().clone() for p in m.parameters()] for m in models])
     return out
 
 
-def _train_rank(rank: int, world_size: int, compression: str = "onebit") -> dict:
+def _train_rank(rank: int, world_size: int, compression: str = "onebit", error_feedback: str = "buffer") -> dict:
     model = _model()
     opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_lr=0.7, outer_momentum=0.9,
-                       comm_backend_name="gloo", compression=compression)
+                       comm_backend_name="gloo", compression=compression, error_feedback=error_feedback)
     trajectory, identical, sent = [], [], []
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
@@ -117,11 +126,14 @@ def _train_rank(rank: int, world_size: int, compression: str = "onebit") -> dict
         trajectory.append([p.detach().clone() for p in model.parameters()])
         identical.append(opt.replicas_identical)
         sent.append(opt.comm_stats()["last_step"]["bytes_sent"])
-    return {"trajectory": trajectory, "identical": identical, "sent": sent, "stats": opt.comm_stats()}
+    return {"trajectory": trajectory, "identical": identical, "sent": sent, "stats": opt.comm_stats(),
+            "worker_error_norm": float(sum(w.norm() for w, _ in opt.compression_errors())),
+            "global": [opt.state[p]["global_params"].clone() for p in model.parameters()]}
 
 
 def _both_rank(rank: int, world_size: int) -> dict:
-    return {compression: _train_rank(rank, world_size, compression) for compression in ("onebit", "none")}
+    runs = {compression: _train_rank(rank, world_size, compression) for compression in ("onebit", "none")}
+    return {**runs, "model": _train_rank(rank, world_size, "onebit", "model")}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["n2", "n3"])
@@ -155,6 +167,25 @@ def test_every_rank_follows_the_simulation(ranks):
     # A 1-bit all-reduce: about 2 (n - 1) / n bits per element (padding and scales on top).
     assert max(sent) < numel * 2 * (world_size - 1) / world_size / 8 + 200
     assert results[0]["stats"]["outer"]["steps"] == STEPS // H
+
+
+@pytest.mark.slow
+def test_error_feedback_in_the_model_follows_the_simulation(ranks):
+    """error_feedback='model': the same 1-bit outer steps, but the residual stays in each rank's
+    parameters (global parameters minus its worker error); the global parameters stay
+    bit-identical on every rank, the parameters differ by the residuals, and the worker errors are
+    0 between outer steps."""
+    world_size, both = ranks
+    expected = simulate(world_size, error_feedback="model")
+    for rank, r in enumerate(both):
+        for t, (mine, theirs) in enumerate(zip(r["model"]["trajectory"], expected), start=1):
+            for a, b in zip(mine, theirs[rank]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"rank {rank} step {t}")
+        assert r["model"]["worker_error_norm"] == 0.0
+        assert all(torch.equal(a, b) for a, b in zip(r["model"]["global"], both[0]["model"]["global"]))
+    # not the buffer's trajectory: the residual moved the parameters after the first outer step
+    assert not all(torch.equal(a, b) for a, b in zip(both[0]["model"]["trajectory"][H], both[0]["onebit"]["trajectory"][H]))
+    assert both[0]["model"]["stats"]["outer"]["bytes_sent"] == both[0]["onebit"]["stats"]["outer"]["bytes_sent"]
 
 
 @pytest.mark.slow
@@ -195,6 +226,7 @@ def test_simulation_can_fail():
     (dict(outer_momentum=-0.1), ValueError, r"invalid outer_momentum"),
     (dict(overlap_backward=True), ValueError, r"overlap_backward=True\) is not supported"),
     (dict(hierarchy=2), ValueError, r"hierarchy=2\) is not supported"),
+    (dict(error_feedback="params"), ValueError, r"invalid error_feedback: 'params'; expected one of 'buffer', 'model'"),
     (dict(freeze_step=10), TypeError, r"does not take freeze_step=10: OnebitDiLoCo has no full-precision warmup"),
 ])
 def test_bad_input_is_refused(kwargs, error, pattern):

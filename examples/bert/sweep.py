@@ -38,8 +38,9 @@ The runs:
 * ``diloco_h<H>`` (H in 4, 8, 16, 32, 64): ``OnebitDiLoCo``, ``configs/diloco_gloo.json`` (the
   demo's AdamW inside, a plain average outside: ``outer_lr`` 1, ``outer_momentum`` 0) with
   ``sync_every`` H; ``diloco_h<H>_nesterov``: DiLoCo's published outer step (lr 0.7, Nesterov 0.9);
-  ``*_none``: the same with ``compression="none"`` (the exact float32 mean); ``*_block<K>``: with one
-  scale per K elements; all against ``demo_adam``;
+  ``*_none``: the same with ``compression="none"`` (the exact float32 mean); ``*_buffer`` /
+  ``*_model``: with ``error_feedback`` "buffer" / "model"; ``*_block<K>``: with one scale per K
+  elements; all against ``demo_adam``;
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
@@ -96,6 +97,8 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         for name in (f"diloco_h{h}", f"diloco_h{h}_nesterov"):
             params, adam, kind = runs[name]
             runs[f"{name}_none"] = ({**params, "compression": "none"}, adam, kind)
+            runs[f"{name}_buffer"] = ({**params, "error_feedback": "buffer"}, adam, kind)
+            runs[f"{name}_model"] = ({**params, "error_feedback": "model"}, adam, kind)
             for block in (128, 1024):
                 runs[f"{name}_block{block}"] = ({**params, "scale_block_size": block}, adam, kind)
     for block in (128, 1024, 4096):
