@@ -313,8 +313,8 @@ def markdown(result: dict[str, Any]) -> str:
         labels = sorted({label for held in plans.values() for label in held})
         lines += [f"### {name}", "", "| buffer | " + " | ".join(plans) + " |", "|---|" + "---:|" * len(plans)]
         for label in labels:
-            lines.append(f"| `{label}` | " + " | ".join(f"{held.get(label, 0):.1f}" if label in held else "-"
-                                                       for held in plans.values()) + " |")
+            cells = [f"{held[label]:.1f}" if label in held else "-" for held in plans.values()]
+            lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
         lines.append("| **total** | " + " | ".join(f"**{sum(held.values()):.1f}**" for held in plans.values()) + " |")
         lines.append("")
     lines += ["## Transients of a step (B/param)", "",
@@ -350,10 +350,10 @@ def main() -> None:
     # otherwise raises its threshold after a free, and keeps freed blocks of up to 32 MiB resident):
     # the resident size is then what is alive, for torch's Adam and onebit alike.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    accounting = run_local_ranks(_accounting_rank, args.world_size, args)
     rss = {}
     for name in NAMES:
         rss[name] = summarize_rss(run_local_ranks(_rss_rank, args.world_size, argparse.Namespace(**vars(args), name=name)))
-    accounting = run_local_ranks(_accounting_rank, args.world_size, args)
     numel = accounting["numel"]
     result = {
         "world_size": args.world_size, "numel": int(args.numel), "rss": rss, "accounting": {"numel": numel},
