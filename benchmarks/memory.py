@@ -82,9 +82,9 @@ def plan_name(opt: torch.optim.Optimizer) -> str:
 def held_buffers(opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of every tensor storage ``opt`` reaches, by name (the path of attributes and string
     keys that first reached it, without indices: ``bucket.buffers[exp_avg]``,
-    ``bucket.compression.worker_error``); each storage counted once, the parameters' and their
-    gradients' not at all. Walks dicts, sequences, weak dictionaries and the objects of onebit's
-    own classes (the optimizer's buckets first, so that a state entry that views a bucket's buffer
+    ``bucket.compression._worker_error``); each storage counted once, the parameters' and their
+    gradients' not at all. Walks dicts, sequences, weak dictionaries, optimizers and the objects
+    of onebit's own classes (the optimizer's buckets first, so that a state entry that views a bucket's buffer
     is named after the buffer)."""
     excluded = set()
     for group in opt.param_groups:
@@ -113,7 +113,7 @@ def held_buffers(opt: torch.optim.Optimizer) -> dict[str, int]:
         elif isinstance(obj, (list, tuple, set, frozenset)):
             for value in obj:
                 visit(value, label)
-        elif type(obj).__module__.startswith("onebit") and hasattr(obj, "__dict__"):
+        elif (type(obj).__module__.startswith("onebit") or isinstance(obj, torch.optim.Optimizer)) and hasattr(obj, "__dict__"):
             for key, value in sorted(vars(obj).items(), key=lambda item: item[0] != "_buckets"):
                 visit(value, _member(label, key))
 
