@@ -341,7 +341,7 @@ def _commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=float, default=16e6, help="elements of the RSS runs' parameter")
-    parser.add_argument("--accounting-numel", type=float, default=1e6, help="elements of the accounting's parameter")
+    parser.add_argument("--accounting-numel", type=float, default=4e6, help="elements of the accounting's parameter")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--tag", default="", help="results/memory_<tag>.{json,md}")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")

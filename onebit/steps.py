@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Steps"]
 
 # Elements a check over the gradients reads at a time: its temporaries stay a few MiB.
-_CHUNK = 1 << 20
+_CHUNK = 1 << 18
 
 
 class Steps:
@@ -372,8 +372,9 @@ class Steps:
         squares, are averaged in float64 (one 32-byte all-reduce, on these few steps only): zero
         variance across ranks, decided from the same numbers on every rank. ``anywhere``: also
         whether some rank has a gradient that is not 0."""
-        s1 = sum(float(x.sum(dtype=torch.float64)) for x in local)
-        s2 = sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in local)
+        parts = [part for x in local for part in x.split(_CHUNK)]  # (float64 copies of a chunk at a time)
+        s1 = sum(float(part.sum(dtype=torch.float64)) for part in parts)
+        s2 = sum(float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2 for part in parts)
         digest = torch.tensor([s1, s2, s1 * s1, s2 * s2], dtype=torch.float64, device=self._device())
         m1, m2, q1, q2 = self._backend.all_reduce_mean_(digest).tolist()
         same = all(q - m * m <= 1e-12 * q for m, q in ((m1, q1), (m2, q2)))
