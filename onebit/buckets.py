@@ -204,10 +204,11 @@ class Bucket:
 
     def averaged_grad(self) -> torch.Tensor:
         """The (averaged) gradient of :meth:`wire` in the padded layout: the wire itself when
-        nothing is padded, else spread into ``'grad'``."""
+        nothing is padded, else spread into the scratch buffer ``'update'``, where the algorithm
+        writes its update direction once it has read the gradient (one buffer for the two)."""
         if self.padded == self.numel:
             return self.wire()[:self.numel]
-        grad = self.scratch("grad")
+        grad = self.scratch("update")
         torch._foreach_copy_([grad[s] for s in self.slices], self.dense_grads())
         return grad
 
@@ -354,10 +355,10 @@ def build_keep_mask(bucket: Bucket, dead: torch.Tensor | None) -> tuple[torch.Te
     keep = bucket.real()
     dead_count = 0
     if dead is not None:
-        keep &= ~dead
+        keep.masked_fill_(dead, False)
         dead_count = bucket.numel - int(torch.count_nonzero(keep))  # (a bool sum() is ~20x slower)
     if bucket.mask is not None:
-        keep &= bucket.mask != 0
+        keep.masked_fill_(bucket.mask == 0, False)
     zeros = bucket.padded - int(torch.count_nonzero(keep))  # the padding included: it is zeroed too
     derived = bucket.derived
     derived.frozen_zeros = derived.frozen_keep = None

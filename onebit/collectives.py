@@ -42,7 +42,8 @@ class AllreduceState(abc.ABC):
     (``fuses_multipliers``). A subclass only does each stage's own work, in :meth:`start_worker`,
     :meth:`start_server` and :meth:`finish`, and allocates ``worker_error`` and ``server_error``
     (what :meth:`onebit.OnebitOptimizer.compression_errors` returns) in its ``__init__`` after
-    calling this one. The stages of every rank start the same collectives in the same order.
+    calling this one, or when first used (:class:`CompressionState`: see :meth:`allocate_errors_`).
+    The stages of every rank start the same collectives in the same order.
     """
 
     #: whether :meth:`start_worker` and :meth:`finish` take ``multiplier`` (and ``limit``) into
@@ -127,6 +128,15 @@ class AllreduceState(abc.ABC):
         self.worker_error.zero_()
         self.server_error.zero_()
 
+    def allocate_errors_(self) -> None:
+        """Allocate the errors (zeros) where a state allocates them when first used; before a step
+        that compresses holds some of them (:meth:`onebit.buckets.Bucket.hold`)."""
+
+    def held_errors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(worker_error, server_error)`` to read (e.g. their norms) without allocating them where
+        a state allocates them late: zeros of their shapes until then."""
+        return self.worker_error, self.server_error
+
     # ----------------------------------------------------------------- staging (overlap_backward)
 
     def staged_error(self, which: str) -> torch.Tensor:
@@ -170,7 +180,8 @@ class CompressionState(AllreduceState):
     """Persistent per-buffer state of the (flat) compressed all-reduce on one rank.
 
     Holds the worker error (``padded`` elements), the server error (``padded / n``), the segment
-    table and the wire buffers, allocated once. ``edges`` are the segment boundaries
+    table and the wire buffers, allocated at the first compression (an optimizer in warmup holds
+    none of them: see :attr:`allocated`). ``edges`` are the segment boundaries
     ``[0, o_1, ..., padded]`` (default: one segment), each segment a multiple of ``8 n`` long
     (:class:`onebit.compression.SegmentLayout` gives them; for one segment ``padded`` must follow
     :func:`onebit.compression.padded_length`).
@@ -196,13 +207,66 @@ class CompressionState(AllreduceState):
                 "(use onebit.compression.SegmentLayout)"
             )
         super().__init__(padded, n, edges)
-        row = row_bytes(padded, n, self.segments)
-        self.worker_error = torch.zeros(padded, dtype=torch.float32, device=device)
-        self.server_error = torch.zeros(padded // n, dtype=torch.float32, device=device)
-        self.send = torch.zeros(n, row, dtype=torch.uint8, device=device)
-        self.recv = torch.zeros(n, row, dtype=torch.uint8, device=device)
-        self.gather_in = torch.zeros(row, dtype=torch.uint8, device=device)
-        self.gather_out = torch.zeros(n, row, dtype=torch.uint8, device=device)
+        self.device = torch.device(device)
+        # Allocated when first needed: an optimizer's warmup never compresses (see ``allocated``).
+        self._worker_error: torch.Tensor | None = None
+        self._server_error: torch.Tensor | None = None
+        self._wire: dict[str, torch.Tensor] = {}  # send, recv, gather_in, gather_out
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the errors exist (zeros until then): reading :attr:`worker_error` or
+        :attr:`server_error`, or running a stage, allocates them."""
+        return self._worker_error is not None
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        self.allocate_errors_()
+        return self._worker_error
+
+    @worker_error.setter
+    def worker_error(self, value: torch.Tensor) -> None:  # (commit_ swaps buffers)
+        self.allocate_errors_()
+        self._worker_error = value
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        self.allocate_errors_()
+        return self._server_error
+
+    @server_error.setter
+    def server_error(self, value: torch.Tensor) -> None:
+        self.allocate_errors_()
+        self._server_error = value
+
+    def allocate_errors_(self) -> None:
+        if self._worker_error is None:
+            self._worker_error = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+            self._server_error = torch.zeros(self.padded // self.world_size, dtype=torch.float32, device=self.device)
+
+    # The byte buffers of the two collectives (a row per rank, but in ``gather_in``), allocated at
+    # the first compression.
+    send = property(lambda self: self._wire_buffer("send"))
+    recv = property(lambda self: self._wire_buffer("recv"))
+    gather_in = property(lambda self: self._wire_buffer("gather_in"))
+    gather_out = property(lambda self: self._wire_buffer("gather_out"))
+
+    def _wire_buffer(self, name: str) -> torch.Tensor:
+        if not self._wire:
+            n, row = self.world_size, row_bytes(self.padded, self.world_size, self.segments)
+            self._wire = {name: torch.zeros(shape, dtype=torch.uint8, device=self.device) for name, shape
+                          in (("send", (n, row)), ("recv", (n, row)), ("gather_in", (row,)), ("gather_out", (n, row)))}
+        return self._wire[name]
+
+    def held_errors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._worker_error is None:  # zeros of their shapes (a stride-0 view of one float)
+            zero = torch.zeros(1, dtype=torch.float32, device=self.device)
+            return zero.expand(self.padded), zero.expand(self.padded // self.world_size)
+        return self._worker_error, self._server_error
+
+    def reset_errors_(self) -> None:
+        if self.allocated:  # (else zeros already)
+            super().reset_errors_()
 
     def check(self, buffer: torch.Tensor, backend: CommBackend | None, staged: bool) -> None:
         n = backend.world_size
@@ -214,29 +278,32 @@ class CompressionState(AllreduceState):
                      codec: dict[str, Any]) -> Pending:
         """Worker compression of the whole buffer into ``n`` rows; the all-to-all."""
         signs = chunk_bytes(self.padded, self.world_size)
+        send, recv = self.send, self.recv
         error, out = self.stage_errors(kernels, "worker", staged)
-        worker_scales = kernels.worker_compress_(buffer, error, self.send[:, :signs], bounds=self.bounds, **out, **codec)
-        write_scale_(self.send, worker_scales)
-        return backend.start_all_to_all(self.recv, self.send)
+        worker_scales = kernels.worker_compress_(buffer, error, send[:, :signs], bounds=self.bounds, **out, **codec)
+        write_scale_(send, worker_scales)
+        return backend.start_all_to_all(recv, send)
 
     def start_server(self, backend: CommBackend | None, kernels: KernelSet, staged: bool) -> Pending:
         """Server compression of this rank's chunk; the all-gather."""
         signs = chunk_bytes(self.padded, self.world_size)
+        recv, gather_in, gather_out = self.recv, self.gather_in, self.gather_out
         error, out = self.stage_errors(kernels, "server", staged)
         server_scales = kernels.server_compress_(
-            self.recv[:, :signs], read_scales(self.recv, self.segments), error, self.gather_in[:signs],
-            bounds=self.bounds, **out,
-        )
-        write_scale_(self.gather_in.view(1, -1), server_scales)
-        return backend.start_all_gather(self.gather_out, self.gather_in)
+            recv[:, :signs], read_scales(recv, self.segments), error, gather_in[:signs], bounds=self.bounds, **out)
+        write_scale_(gather_in.view(1, -1), server_scales)
+        return backend.start_all_gather(gather_out, gather_in)
 
     def finish(self, buffer: torch.Tensor, kernels: KernelSet, keep: torch.Tensor | None,
                codec: dict[str, Any]) -> None:
         signs = chunk_bytes(self.padded, self.world_size)
-        kernels.decode_(self.gather_out[:, :signs], read_scales(self.gather_out, self.segments), buffer, keep,
+        gather_out = self.gather_out
+        kernels.decode_(gather_out[:, :signs], read_scales(gather_out, self.segments), buffer, keep,
                         bounds=self.bounds, **codec)
 
     def error_slices(self, start: int, end: int) -> list[torch.Tensor]:
+        if not self.allocated:  # zeros, which a step that does not compress leaves as they are
+            return []
         n = self.world_size
         return [self.worker_error[start:end], self.server_error[start // n:end // n]]
 

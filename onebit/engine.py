@@ -571,7 +571,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         ``update_to_lr``: the largest step of a coordinate in units of its learning rate at the last
         health check (mean over ranks; None before the first).
         """
-        errors = self.compression_errors()
+        errors = [b.compression.held_errors() for b in self._buckets if b.compression is not None]  # (none allocated)
 
         return {
             "backend": self._backend.name,

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Steps"]
 
+# Elements a check over the gradients reads at a time: its temporaries stay a few MiB.
+_CHUNK = 1 << 18
+
 
 class Steps:
     """The step machinery of :class:`onebit.engine.OnebitOptimizer` (which provides the state it
@@ -220,6 +223,8 @@ class Steps:
         held = []
         for bucket, indices in zip(self._buckets, absent):
             if indices:
+                if bucket in compressed:  # (the errors, zeros before the first compressed step, are held too)
+                    bucket.compression.allocate_errors_()
                 r.restore_errors(bucket, indices)
                 self._before_update(bucket, t)
                 held.append(bucket.hold(indices, self.STATE.shared_scalars))
@@ -320,7 +325,7 @@ class Steps:
             present[id(bucket)] = (bucket.presence() > 0).tolist()
         if r.check_double:
             self._double_checks += 1
-            self._double_check([r.local[id(b)] for b in reduced], reduced, t)
+            self._double_check([r.local.pop(id(b)) for b in reduced], reduced, t)  # (the copies freed after it)
 
     def _double_check(self, local: list[torch.Tensor], reduced: list[Bucket], t: int) -> None:
         """A framework that averages gradients itself (DDP, Lightning, Accelerate, the DeepSpeed
@@ -329,10 +334,11 @@ class Steps:
         the same on every rank: the averages are, and each rank's own gradients equal them only
         when every rank's do."""
         averaged = [bucket.wire()[:bucket.numel] for bucket in reduced]
-        if not any(bool(a.any()) for a in averaged):
+        if not any(bool(part.any()) for a in averaged for part in a.split(_CHUNK)):
             return  # no gradient at all: nothing to tell
-        if self._wire_dtype() is None:
-            same = all(torch.allclose(x, a, rtol=1e-6, atol=0.0) for x, a in zip(local, averaged))
+        if self._wire_dtype() is None:  # (in chunks: allclose's temporaries are several times its input)
+            same = all(torch.allclose(x_part, a_part, rtol=1e-6, atol=0.0) for x, a in zip(local, averaged)
+                       for x_part, a_part in zip(x.split(_CHUNK), a.split(_CHUNK)))
         else:
             same = self._same_on_every_rank(local)
         self._say_double(same, t, "so every warmup step averages them twice, and the compression steps still send "
@@ -368,8 +374,9 @@ class Steps:
         squares, are averaged in float64 (one 32-byte all-reduce, on these few steps only): zero
         variance across ranks, decided from the same numbers on every rank. ``anywhere``: also
         whether some rank has a gradient that is not 0."""
-        s1 = sum(float(x.sum(dtype=torch.float64)) for x in local)
-        s2 = sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in local)
+        parts = [part for x in local for part in x.split(_CHUNK)]  # (float64 copies of a chunk at a time)
+        s1 = sum(float(part.sum(dtype=torch.float64)) for part in parts)
+        s2 = sum(float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2 for part in parts)
         digest = torch.tensor([s1, s2, s1 * s1, s2 * s2], dtype=torch.float64, device=self._device())
         m1, m2, q1, q2 = self._backend.all_reduce_mean_(digest).tolist()
         same = all(q - m * m <= 1e-12 * q for m, q in ((m1, q1), (m2, q2)))

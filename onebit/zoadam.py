@@ -432,11 +432,12 @@ class ZeroOneAdam(OnebitOptimizer):
         if bound is None:
             return move
         bound /= bc1
-        limit = bucket.scratch("limit")
-        torch.mul(bucket.buffers["sync_point"].abs(), group["weight_decay"], out=limit).add_(bound)
+        limit = bucket.scratch("limit")  # (in place: no temporary of the buffer's size)
+        torch.abs(bucket.buffers["sync_point"], out=limit).mul_(group["weight_decay"]).add_(bound)
         for total, view in zip(totals, bucket.view(limit)):
             view.mul_(max(total, 0.0))
-        return move.clamp_(min=limit.neg(), max=limit)
+        move.clamp_(min=limit.neg_())  # clamp(x, -l, l) is min(max(x, -l), l)
+        return move.clamp_(max=limit.neg_())
 
     def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """A local step this rank skipped (non-finite gradients): its accumulator and parameters

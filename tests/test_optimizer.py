@@ -580,14 +580,14 @@ def test_state_dict_and_load_hooks_run_as_in_torch(tmp_path):
 
 
 def test_compression_releases_the_full_precision_scratch_buffers():
-    """Warmup needs a flat gradient and update buffer per bucket (8 bytes per parameter; and the
-    gradients end to end for the all-reduce, when the tensors are padded apart); compression reads
-    p.grad and updates p in place, so it gives them back."""
+    """Warmup needs the gradients end to end for the all-reduce, and a flat buffer in the padded
+    layout that holds the averaged gradient, then the update (8 bytes per parameter); compression
+    reads p.grad and updates p in place, so it gives them back."""
     model = _model()
     opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="local")
     bucket = opt._buckets[0]
     _train(model, opt, 2)
-    assert sorted(bucket._scratch) == ["grad", "update", "wire"]
+    assert sorted(bucket._scratch) == ["update", "wire"]
     _train(model, opt, 2, start=2)
     assert bucket._scratch == {}
     opt.load_state_dict(opt.state_dict())  # still compression: nothing to allocate again

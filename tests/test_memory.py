@@ -1,0 +1,144 @@
+"""What each optimizer holds, by name, in each phase: the accounting of ``benchmarks/memory.py``
+(:func:`held_buffers`, a walk over everything the optimizer object reaches) pinned per buffer, so
+that a buffer that appears, or stays past the phase that needs it, fails here. Bytes, not RSS.
+
+One rank (``comm_backend_name='local'``: the server error is then as long as the worker error), a
+parameter of ``N`` elements and one of 1001 (so that the compressed layout pads), float32.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import onebit
+from onebit.compression import SegmentLayout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from memory import held_buffers  # noqa: E402
+
+sys.path.pop(0)
+
+N = 4096
+SMALL = 1001
+PADDED = SegmentLayout.build([N, SMALL], 1, None).padded  # the compressed layout's length
+F32 = 4
+ERRORS = {"bucket.compression._worker_error": PADDED * F32, "bucket.compression._server_error": PADDED * F32}
+STATE = {"bucket.buffers[exp_avg]": PADDED * F32, "bucket.buffers[exp_avg_sq]": PADDED * F32}
+WARMUP_SCRATCH = {"bucket._scratch[wire]": (N + SMALL + 2) * F32, "bucket._scratch[update]": PADDED * F32}
+
+
+def _build(cls, **kwargs):
+    params = [torch.nn.Parameter(torch.randn(N)), torch.nn.Parameter(torch.randn(SMALL))]
+    return params, cls(params, comm_backend_name="local", **kwargs)
+
+
+def _step(params, opt):
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+
+def _large(held: dict[str, int]) -> dict[str, int]:
+    """The buffers of at least one byte per element (not the wire rows, scalars, masks' indices)."""
+    return {name: size for name, size in held.items() if size >= PADDED}
+
+
+def test_no_compression_errors_before_the_switch():
+    params, opt = _build(onebit.OnebitAdam, freeze_step=3)
+    state = opt._buckets[0].compression
+    for _ in range(3):
+        assert not state.allocated and not any("compression" in name for name in _large(held_buffers(opt)))
+        _step(params, opt)
+    assert opt.comm_stats()["worker_error_norm"] == 0.0 and not state.allocated  # reading the norms allocates nothing
+    _step(params, opt)
+    assert state.allocated and state.worker_error.abs().sum() > 0
+
+
+@pytest.mark.parametrize("space", ["preconditioned", "momentum"])
+def test_onebit_adam_holds_what_its_table_says(space):
+    params, opt = _build(onebit.OnebitAdam, freeze_step=2, compression_space=space)
+    assert _large(held_buffers(opt)) == STATE
+    _step(params, opt)
+    _step(params, opt)
+    assert _large(held_buffers(opt)) == {**STATE, **WARMUP_SCRATCH}
+    _step(params, opt)
+    frozen = {"_frozen_denominator._entries.flat": PADDED * F32}
+    if space == "preconditioned":
+        frozen["_frozen_denominator._entries.inverse"] = PADDED * F32
+    assert _large(held_buffers(opt)) == {**STATE, **ERRORS, **frozen}
+
+
+def test_onebit_lamb_holds_what_its_table_says():
+    params, opt = _build(onebit.OnebitLamb, freeze_step=2)
+    _step(params, opt)
+    _step(params, opt)
+    assert _large(held_buffers(opt)) == {**STATE, **WARMUP_SCRATCH}
+    _step(params, opt)
+    assert _large(held_buffers(opt)) == {
+        **STATE, **ERRORS, "bucket.buffers[smoothed_update]": PADDED * F32, "bucket._scratch[update]": PADDED * F32,
+        "_frozen_denominator._entries.flat": PADDED * F32, "_frozen_denominator._entries.inverse": PADDED * F32}
+
+
+def test_zero_one_adam_holds_what_its_table_says():
+    params, opt = _build(onebit.ZeroOneAdam, var_freeze_step=4, var_update_scaler=1, local_step_scaler=2,
+                         local_step_clipper=4)
+    phase_one = {**STATE, **WARMUP_SCRATCH, "_still_denominator._entries.flat": PADDED * F32,
+                 "bucket._scratch[bounded]": PADDED * F32}
+    kinds = []
+    for _ in range(4):  # variance steps, then a compressed-gradient step (its input: the 'grad' buffer, and errors)
+        kinds.append(opt.phase)
+        _step(params, opt)
+    assert kinds[0] == "variance" and "compressed_gradient" in kinds
+    assert _large(held_buffers(opt)) == {**phase_one, **ERRORS, "bucket._scratch[grad]": PADDED * F32}
+    for _ in range(4):  # phase 2: local steps and syncs; phase 1's scratch released
+        _step(params, opt)
+    assert _large(held_buffers(opt)) == {
+        **STATE, **ERRORS, "_still_denominator._entries.flat": PADDED * F32, "bucket._scratch[bounded]": PADDED * F32,
+        "bucket._scratch[limit]": PADDED * F32, "bucket.buffers[momentum_accumulator]": PADDED * F32,
+        "bucket.buffers[sync_point]": PADDED * F32}
+
+
+def test_diloco_allocates_its_errors_at_the_first_outer_step():
+    params, opt = _build(onebit.OnebitDiLoCo, sync_every=3)
+    outer = {**STATE, "bucket.buffers[global_params]": PADDED * F32, "bucket.buffers[outer_momentum_buffer]": PADDED * F32}
+    assert _large(held_buffers(opt)) == outer
+    _step(params, opt)
+    _step(params, opt)
+    assert not opt._buckets[0].compression.allocated
+    _step(params, opt)
+    assert _large(held_buffers(opt)) == {**outer, **ERRORS, "bucket._scratch[delta]": PADDED * F32}
+
+
+def test_held_buffers_counts_each_storage_once_and_never_the_parameters():
+    params, opt = _build(onebit.OnebitAdam, freeze_step=1)
+    _step(params, opt)
+    held = held_buffers(opt)
+    # the state's per-parameter entries are views of the bucket's buffers: named after the buffer, counted once
+    assert not any(name.startswith("state") for name in held)
+    adam_params = [torch.nn.Parameter(torch.randn(N))]
+    adam = torch.optim.Adam(adam_params)
+    adam_params[0].grad = torch.randn(N)
+    adam.step()
+    assert {k: v for k, v in held_buffers(adam).items() if v >= N} == {"state[exp_avg]": N * F32,
+                                                                       "state[exp_avg_sq]": N * F32}
+
+
+def test_a_warmup_step_holding_parameters_without_a_gradient_allocates_no_errors():
+    """A parameter without a gradient is held through the step with its errors: in warmup there
+    are none to hold, and none are allocated for it; at the first compressed step they are, and
+    stay 0 for it."""
+    params, opt = _build(onebit.OnebitAdam, freeze_step=1)
+    params[0].grad, params[1].grad = torch.randn(N), None
+    opt.step()
+    state = opt._buckets[0].compression
+    assert not state.allocated
+    params[1].grad = None
+    params[0].grad = torch.randn(N)
+    opt.step()
+    start = opt._buckets[0].layout.starts[1]
+    assert state.allocated and state.worker_error[:start].abs().sum() > 0
+    assert state.worker_error[start:].abs().sum() == 0 and state.server_error[start:].abs().sum() == 0
