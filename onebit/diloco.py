@@ -142,6 +142,7 @@ class OnebitDiLoCo(OnebitOptimizer):
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (INNER.name, OUTER.name)
     STATE: ClassVar[StateSpec] = StateSpec(
         buffers=("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer"), nonnegative=("exp_avg_sq",),
+        lazy=("outer_momentum_buffer",),
         scalars={"inner_step": 0.0}, masked="exp_avg",
         group_keys=("lr", "betas", "eps", "weight_decay", "bias_correction"), schedule=SCHEDULE)
     _CHECK_UNAVERAGED: ClassVar[bool] = True  # (a forgotten adapter is said in the first steps)
@@ -181,7 +182,8 @@ class OnebitDiLoCo(OnebitOptimizer):
     def _build_group_buckets(self, index: int) -> None:
         """The group's buckets, their global parameters the parameters now (at construction, or
         when ``add_param_group`` adds the group: the next outer step checks that every rank
-        started them from the same values)."""
+        started them from the same values), and with ``outer_momentum > 0`` the outer momentum
+        (at 0 it never exists, unless a load brings one)."""
         super()._build_group_buckets(index)
         self._start_checked = False
         for bucket in self._buckets:
@@ -189,6 +191,8 @@ class OnebitDiLoCo(OnebitOptimizer):
                 continue
             for view, p in zip(bucket.views["global_params"], bucket.params):
                 view.copy_(p.detach())
+            if self.outer_momentum > 0 and "outer_momentum_buffer" not in bucket.buffers:
+                self._allocate(bucket, "outer_momentum_buffer")  # (so that a DCP load's template holds it)
             if self.compression == "none" and not isinstance(bucket.compression, ExactAverage):
                 bucket.compression = ExactAverage(bucket.padded, self._backend.world_size, bucket.device,
                                                   bucket.layout.edges)
@@ -277,15 +281,26 @@ class OnebitDiLoCo(OnebitOptimizer):
         theta = bucket.buffers["global_params"]
         mu = self.outer_momentum
         if mu > 0:
+            self._before_update(bucket, t)
             b = bucket.buffers["outer_momentum_buffer"]
             b.mul_(mu).add_(delta)
             delta.add_(b, alpha=mu)
         theta.sub_(delta, alpha=self.outer_lr)  # (masked coordinates: their average is 0, so theta and b stay)
         if self.error_feedback == "model" and self.compression == "onebit":
             self._keep_residual(bucket)
-            return
-        for p, view in zip(bucket.params, bucket.views["global_params"]):
-            p.copy_(view)
+        else:
+            for p, view in zip(bucket.params, bucket.views["global_params"]):
+                p.copy_(view)
+        # (the pseudo-gradient's buffer: needed again only at the next outer step)
+        bucket.compressed = None
+        bucket.release_scratch()
+
+    def _before_update(self, bucket: Bucket, t: int) -> None:
+        # The outer momentum exists whenever outer_momentum > 0 (a load of a state without one
+        # leaves it out: allocated before a step that holds some parameters' state, so that they
+        # keep theirs).
+        if self.outer_momentum > 0 and self.plan_for(t) is OUTER and "outer_momentum_buffer" not in bucket.buffers:
+            self._allocate(bucket, "outer_momentum_buffer")
 
     def _keep_residual(self, bucket: Bucket) -> None:
         """``error_feedback="model"``: the parameters are the global ones minus this rank's worker

@@ -141,7 +141,7 @@ def _lightning(rank: int, counter: _Collectives) -> dict:
             counter.take()  # (set-up: DDP's broadcast of the parameters, ...)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            record["flags"].append(trainer.strategy.model.require_backward_grad_sync)
+            record["flags"].append(trainer.strategy.model.require_forward_param_sync)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             record["params"].append(_flat(pl_module.net))
@@ -172,7 +172,7 @@ def _accelerate(rank: int, counter: _Collectives) -> dict:
         opt.zero_grad(set_to_none=True)
         x, y = _batch(rank, t)
         accelerator.backward(torch.nn.functional.mse_loss(net(x), y))
-        record["flags"].append(net.require_backward_grad_sync)
+        record["flags"].append(net.require_forward_param_sync)
         opt.step()
         record["params"].append(_flat(model))
         record["collectives"].append(counter.take())
@@ -206,7 +206,7 @@ def _hf_trainer(rank: int, counter: _Collectives, out_dir: str) -> dict:
             counter.take()  # (set-up: DDP's broadcast of the parameters, ...)
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            record["flags"].append(trainer.model_wrapped.require_backward_grad_sync)
+            record["flags"].append(trainer.model_wrapped.require_forward_param_sync)
 
         def on_step_end(self, args, state, control, **kwargs):
             record["params"].append(_flat(net.net))
@@ -429,9 +429,11 @@ def _dcp_load(model, opt, path: str) -> bool:
     return load_compression_errors(path, opt)
 
 
-def _local_state(opt, model) -> dict[str, list[torch.Tensor]]:
+def _local_state(opt, model) -> dict[str, list[torch.Tensor | None]]:
+    """The state's buffers (the outer momentum exists from the first outer step on: None before)."""
     keys = ("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer")
-    return {key: [opt.state[p][key].clone() for p in model.parameters()] for key in keys}
+    return {key: [opt.state[p][key].clone() if key in opt.state[p] else None for p in model.parameters()]
+            for key in keys}
 
 
 def _dcp_resume(mesh, directory: str, at: int, synchronize: bool) -> dict:
@@ -455,7 +457,8 @@ def _dcp_resume(mesh, directory: str, at: int, synchronize: bool) -> dict:
     again, again_opt = make()
     out = {"restored": _dcp_load(again, again_opt, path), "step": again_opt.step_count}
     mine, loaded = _local_state(opt, model), _local_state(again_opt, again)
-    out["state_equal"] = {key: all(torch.equal(a, b) for a, b in zip(mine[key], loaded[key])) for key in mine}
+    out["state_equal"] = {key: all(a is b is None or (a is not None and b is not None and torch.equal(a, b))
+                                   for a, b in zip(mine[key], loaded[key])) for key in mine}
     out["params_equal"] = all(torch.equal(a, b) for a, b in zip(_locals(model), _locals(again)))
     for t in range(at + 1, STEPS + 3):
         _train_step(model, opt, worker, t)

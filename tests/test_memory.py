@@ -103,14 +103,20 @@ def test_zero_one_adam_holds_what_its_table_says():
 
 
 def test_diloco_allocates_its_errors_at_the_first_outer_step():
-    params, opt = _build(onebit.OnebitDiLoCo, sync_every=3)
-    outer = {**STATE, "bucket.buffers[global_params]": PADDED * F32, "bucket.buffers[outer_momentum_buffer]": PADDED * F32}
-    assert _large(held_buffers(opt)) == outer
-    _step(params, opt)
-    _step(params, opt)
-    assert not opt._buckets[0].compression.allocated
-    _step(params, opt)
-    assert _large(held_buffers(opt)) == {**outer, **ERRORS, "bucket._scratch[delta]": PADDED * F32}
+    """The errors come at the first outer step; the pseudo-gradient's buffer lives only through
+    an outer step; the outer momentum exists only with outer_momentum > 0 (from construction)."""
+    for momentum in (0.0, 0.9):
+        params, opt = _build(onebit.OnebitDiLoCo, sync_every=3, outer_momentum=momentum)
+        outer = {**STATE, "bucket.buffers[global_params]": PADDED * F32}
+        if momentum:
+            outer["bucket.buffers[outer_momentum_buffer]"] = PADDED * F32
+        assert _large(held_buffers(opt)) == outer
+        _step(params, opt)
+        _step(params, opt)
+        assert not opt._buckets[0].compression.allocated
+        _step(params, opt)
+        assert _large(held_buffers(opt)) == {**outer, **ERRORS}, momentum
+        assert ("outer_momentum_buffer" in opt.state[params[0]]) == bool(momentum)
 
 
 def test_held_buffers_counts_each_storage_once_and_never_the_parameters():
