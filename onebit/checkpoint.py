@@ -244,7 +244,9 @@ def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
     while the ranks' replicas differ, as between the syncs of ``ZeroOneAdam``, its own optimizer
     state and model state: ``model`` is then required), so that :func:`load_checkpoint` on the
     same world size continues the run bit for bit; the ranks then exchange their parts' digests
-    (one all-gather) before rank 0 commits; it is then collective: the ranks first wait for each
+    (one all-gather) before rank 0 commits, and the call returns on every rank once rank 0 has
+    committed (a 4-byte all-reduce; raising on every rank if it could not); it is then collective:
+    the ranks first wait for each
     other at most ``timeout_s`` seconds, and a rank that waits longer raises ``RuntimeError``
     naming the ranks that did not call it. Without it rank 0 commits alone and the other ranks
     write nothing, so calling it on rank 0 alone works too (as nanoGPT saves); a load then gives
@@ -282,14 +284,38 @@ def save_checkpoint(path: str | os.PathLike, optimizer: OnebitOptimizer, *, mode
         previous = committed["parts"]["ranks"][rank][0] if (
             committed and committed["parts"].get("ranks") and len(committed["parts"]["ranks"]) > rank) else None
         _clean(path, f"rank{rank}", {part_id, previous} - {None})
+    failure = None
     if rank == 0:
         manifest = {"format": _FILE_MARKER, "version": _MANIFEST_VERSION, "world_size": n,
                     "step": optimizer.step_count, "layout": optimizer.layout_digest(),
                     "parts": {"state": (part_id, state_digest), "ranks": parts}}
-        _atomic_write(_serialize(manifest), path)  # the commit
-        _clean(path, "state", {part_id})
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # a manifest whose writer was killed
-            stale.unlink(missing_ok=True)
+        try:
+            _atomic_write(_serialize(manifest), path)  # the commit
+        except BaseException as exc:  # (said to the other ranks below, then raised)
+            failure = exc
+        else:
+            _clean(path, "state", {part_id})
+            for stale in path.parent.glob(f".{path.name}.tmp-*"):  # a manifest whose writer was killed
+                stale.unlink(missing_ok=True)
+    if exact_resume:
+        _agree_committed(optimizer, path, failure)
+    elif failure is not None:
+        raise failure
+
+
+def _agree_committed(optimizer: OnebitOptimizer, path: Path, failure: BaseException | None) -> None:
+    """After an exact save: rank 0 says whether it committed (one 4-byte all-reduce), so that the
+    call returns on every rank once the checkpoint is on disk (a load right after it finds it), and
+    raises on every rank when rank 0 could not commit."""
+    flag = torch.zeros(1, device=_device(optimizer))
+    if optimizer.backend.rank == 0 and failure is not None:
+        flag.fill_(1.0)
+    optimizer.backend.all_reduce_mean_(flag)
+    if failure is not None:
+        raise failure
+    if flag.item() > 0:
+        raise RuntimeError(f"save_checkpoint: rank 0 could not commit the checkpoint at {path} (see rank 0's error); "
+                           "nothing was saved there")
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

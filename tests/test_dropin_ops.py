@@ -295,8 +295,8 @@ def _rank0_only(rank, world_size, path):
         onebit.save_checkpoint(path / "plain.ckpt", opt, model=model)  # no collective: rank 0 alone is fine
     torch.distributed.barrier()
     onebit.load_checkpoint(path / "plain.ckpt", opt, model=model)
-    onebit.save_checkpoint(path / "both.ckpt", opt, model=model, exact_resume=True, timeout_s=30)  # every rank
-    torch.distributed.barrier()  # (rank 0 commits after the other ranks return)
+    # every rank; it returns once rank 0 committed, so a load right after it finds the checkpoint
+    onebit.save_checkpoint(path / "both.ckpt", opt, model=model, exact_resume=True, timeout_s=30)
     onebit.load_checkpoint(path / "both.ckpt", opt, model=model, exact_resume=True, timeout_s=30)
     out["params"] = clone_params(model.parameters())
     return out
@@ -310,6 +310,39 @@ def test_a_collective_checkpoint_call_on_rank_0_only_fails_naming_the_rule(tmp_p
     assert "call it on every rank" in error and "not under `if rank == 0:`" in error
     assert not (tmp_path / "exact.ckpt").exists()  # nothing committed
     assert all_equal(results[0]["params"], results[1]["params"])
+
+
+def _failed_commit(rank, world_size, path):
+    """Rank 0 cannot write the manifest (the disk filled up, say): every rank raises, none
+    returns as if the checkpoint were saved."""
+    import onebit.checkpoint as checkpoint
+
+    model = tiny_mlp(6, 8, 3)
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="gloo")
+    _train(model, opt, range(1, 5), rank)
+    write = checkpoint._atomic_write
+
+    def no_manifest(data, target):
+        if Path(target).name == "exact.ckpt":
+            raise OSError(28, "No space left on device")
+        write(data, target)
+
+    checkpoint._atomic_write = no_manifest
+    try:
+        onebit.save_checkpoint(path / "exact.ckpt", opt, model=model, exact_resume=True, timeout_s=30)
+    except (OSError, RuntimeError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        checkpoint._atomic_write = write
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_an_exact_save_that_rank_0_cannot_commit_raises_on_every_rank(tmp_path):
+    results = run_ranks(_failed_commit, 2, tmp_path, tmp_path, timeout=90)
+    assert results[0]["error"] == "OSError: [Errno 28] No space left on device"
+    assert results[1]["error"].startswith("RuntimeError: save_checkpoint: rank 0 could not commit the checkpoint at")
+    assert not (tmp_path / "exact.ckpt").exists()
 
 
 def test_the_handshake_timeout_is_checked():
