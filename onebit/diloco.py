@@ -11,6 +11,7 @@ import torch
 
 from . import functional as F
 from .buckets import Bucket
+from .collectives import compressed_allreduce_, new_state
 from .engine import OnebitOptimizer
 from .layout import ranks_holding_other
 from .plan import StepPlan
@@ -54,6 +55,13 @@ def _check_outer_momentum(value: Any) -> float:
     return float(value)
 
 
+def _check_outer_bits(value: Any) -> int:
+    if not is_int(value, 1) or value > 8:
+        raise ValueError(f"outer_bits must be an int from 1 to 8 (1-bit passes over the pseudo-gradient at each outer "
+                         f"step), got {value!r}")
+    return value
+
+
 def _check_error_feedback(value: Any) -> str:
     check_choice("error_feedback", value, ERROR_FEEDBACK)
     return value
@@ -65,6 +73,7 @@ SCHEDULE = Schedule((
     Setting("outer_lr", lambda value: _check_outer_lr(value, saved=True)),
     Setting("outer_momentum", _check_outer_momentum),
     Setting("error_feedback", lambda value: _check_error_feedback(value), absent="buffer", omit="buffer"),
+    Setting("outer_bits", lambda value: _check_outer_bits(value), absent=1, omit=1),
 ))
 
 
@@ -120,6 +129,11 @@ class OnebitDiLoCo(OnebitOptimizer):
             holds the residual; the worker error is 0 between outer steps). The bytes and the
             global parameters' update are the same; the parameters then differ between ranks by
             their residuals after an outer step too (:meth:`synchronize` averages them).
+        outer_bits: the 1-bit passes of each outer step (an int from 1 to 8; default 1): pass
+            ``k + 1`` sends the residuals that pass ``k`` left (each worker's worker error, each
+            server's server error), and the last pass's residuals wait for the next outer step:
+            ``k`` passes send ``k`` times the bytes and leave less behind (see
+            ``docs/guides/tuning.md``).
         bias_correction: the inner AdamW's bias correction (on by default, as in torch).
         **options: the keyword-only options of every onebit optimizer (transport, group, masks,
             buckets, scale blocks, non-finite gradients, divergence, kernels): see
@@ -164,12 +178,14 @@ class OnebitDiLoCo(OnebitOptimizer):
         outer_momentum: float = 0.0,
         compression: str = "onebit",
         error_feedback: str = "buffer",
+        outer_bits: int = 1,
         bias_correction: bool = True,
         **options: Any,
     ) -> None:
         _check_outer(sync_every, outer_lr, outer_momentum)
         check_choice("compression", compression, COMPRESSIONS)
         self.compression, self.error_feedback = compression, _check_error_feedback(error_feedback)
+        self.outer_bits = _check_outer_bits(outer_bits)
         for name in ("overlap_backward", "hierarchy"):
             if options.get(name) not in (None, False):
                 raise ValueError(f"OnebitDiLoCo({name}={options[name]!r}) is not supported: its inner steps send "
@@ -191,6 +207,10 @@ class OnebitDiLoCo(OnebitOptimizer):
                 continue
             for view, p in zip(bucket.views["global_params"], bucket.params):
                 view.copy_(p.detach())
+            if not hasattr(bucket, "extra_passes"):  # the codec states of the passes after the first
+                bucket.extra_passes = [] if self.compression == "none" else [
+                    new_state(bucket.padded, self._backend.world_size, bucket.device, bucket.layout.edges)
+                    for _ in range(self.outer_bits - 1)]
             if self.outer_momentum > 0 and "outer_momentum_buffer" not in bucket.buffers:
                 self._allocate(bucket, "outer_momentum_buffer")  # (so that a DCP load's template holds it)
             if self.compression == "none" and not isinstance(bucket.compression, ExactAverage):
@@ -278,6 +298,7 @@ class OnebitDiLoCo(OnebitOptimizer):
         """The outer Nesterov step on the averaged pseudo-gradient; every rank continues from the
         new global parameters."""
         delta = bucket.compressed
+        self._more_passes(bucket, delta)
         theta = bucket.buffers["global_params"]
         mu = self.outer_momentum
         if mu > 0:
@@ -301,6 +322,25 @@ class OnebitDiLoCo(OnebitOptimizer):
         # keep theirs).
         if self.outer_momentum > 0 and self.plan_for(t) is OUTER and "outer_momentum_buffer" not in bucket.buffers:
             self._allocate(bucket, "outer_momentum_buffer")
+
+    def _more_passes(self, bucket: Bucket, delta: torch.Tensor) -> None:
+        """``outer_bits > 1``: each further pass sends the residuals the previous one left, this
+        rank's worker error as its input and its server error as the pass's server error, and adds
+        its average to ``delta``; the last pass's residuals are the first pass's errors again (the
+        further passes' own errors are 0 between outer steps)."""
+        first = bucket.compression
+        for state in bucket.extra_passes:
+            residual = bucket.scratch("residual")  # (its padding stays 0, as the first pass's input's)
+            for view, error in zip(bucket.view(residual), bucket.view(first.worker_error)):
+                view.copy_(error)
+            state.server_error.copy_(first.server_error)
+            compressed_allreduce_(residual, state, self._backend, self._kernels_for(bucket))
+            if bucket.mask is not None:  # (what a mask pins to 0 stays 0, as the first pass's decode keeps it)
+                residual.mul_(bucket.mask)
+            delta.add_(residual)
+            first.worker_error.copy_(state.worker_error)
+            first.server_error.copy_(state.server_error)
+            state.reset_errors_()
 
     def _keep_residual(self, bucket: Bucket) -> None:
         """``error_feedback="model"``: the parameters are the global ones minus this rank's worker
