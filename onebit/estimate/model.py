@@ -125,23 +125,28 @@ def estimate_speedup(
     ``float(estimate)`` is the speedup (above 1: compression pays). Raises ``ValueError`` naming an
     argument out of range.
     """
-    num_params = int_at_least("num_params", num_params, 1)
-    n = int_at_least("world_size", world_size, 2)
+    num_params, n = int_at_least("num_params", num_params, 1), int_at_least("world_size", world_size, 2)
     bandwidth = real("bandwidth_gbps", bandwidth_gbps, positive=True)
-    compute_s = real("compute_s", compute_s, positive=False)
-    latency_s = real("latency_s", latency_s, positive=False)
+    compute_s, latency_s = real("compute_s", compute_s, positive=False), real("latency_s", latency_s, positive=False)
     device = device_type(device)
     reduce_gbps = reduce_gbps_for(device, reduce_gbps)
     efficiency = real("wire_efficiency", wire_efficiency, positive=True, upper=1.0)
     buckets = -(-num_params // DEFAULT_BUCKET_SIZE) if buckets is None else int_at_least("buckets", buckets, 1)
+    backward_s = _overlapped_backward(overlap_backward, backward_s, compute_s)
+    costs = local_costs(num_params, n, codec_gbps, adam_step_s, onebit_step_s, device=device)
+    return _speedup(num_params, n, bandwidth, efficiency, compute_s, latency_s, reduce_gbps, buckets, backward_s,
+                    *costs, device)
+
+
+def _overlapped_backward(overlap_backward: bool, backward_s: float | None, compute_s: float) -> float | None:
+    """The backward seconds the transfers can hide behind (None: no overlap), checked."""
     if not isinstance(overlap_backward, bool):
         raise ValueError(f"invalid overlap_backward: {overlap_backward!r}; expected True or False")
     if backward_s is not None and not overlap_backward:
         raise ValueError("backward_s applies only with overlap_backward=True; drop it or pass overlap_backward=True")
-    backward_s = compute_s * 2 / 3 if backward_s is None else real("backward_s", backward_s, positive=False)
-    costs = local_costs(num_params, n, codec_gbps, adam_step_s, onebit_step_s, device=device)
-    return _speedup(num_params, n, bandwidth, efficiency, compute_s, latency_s, reduce_gbps, buckets,
-                    backward_s if overlap_backward else None, *costs, device)
+    if not overlap_backward:
+        return None
+    return compute_s * 2 / 3 if backward_s is None else real("backward_s", backward_s, positive=False)
 
 
 def local_costs(num_params: int, n: int, codec_gbps: float | None, adam_step_s: float | None,

@@ -116,7 +116,7 @@ def estimate_two_level(
     device: str = "cpu",
 ) -> TwoLevelEstimate:
     """Wire time and step time of a compression-phase step for each of :data:`SCHEMES` on
-    ``nodes`` (P) nodes of ``ranks_per_node`` (L) ranks (model: the module docstring).
+    ``nodes`` (P) nodes of ``ranks_per_node`` (L) ranks (model: :mod:`onebit.estimate`).
 
     Args:
         num_params: float32 elements averaged per step (one bucket; no pipelining across buckets).
@@ -129,17 +129,13 @@ def estimate_two_level(
         codec_gbps: as in :func:`estimate_speedup` (measured here when None and needed); the
             codec of each 1-bit scheme is the flat codec times its passes over the buffer
             (compressed ``1 + 1/(3L)``, node_mean ``(2 + 2/L)/3``).
-        adam_step_s: as in :func:`estimate_speedup` (measured here when None and needed).
-        onebit_step_s: as in :func:`estimate_speedup` (measured here when None and needed).
+        adam_step_s, onebit_step_s: as in :func:`estimate_speedup` (measured when None and needed).
         local_s: seconds per step of each scheme apart from compute and communication (for fp32
             the Adam step; for 1-bit schemes maths and codec), overriding the modelled ones,
             e.g. measured in a run; schemes it leaves out are modelled.
         segments: tensors in the bucket (one float32 scale per tensor in each wire row).
-        latency_s: per message; fp32 and flat pay ``2(n-1)``, the two-level schemes
-            ``2(P-1) + 2(L-1)``.
-        reduce_gbps: throughput of the fp32 all-reduce's own work (see :func:`estimate_speedup`);
-            default by ``device``.
-        device: ``'cpu'`` or ``'cuda'``, as in :func:`estimate_speedup`.
+        latency_s: per message; fp32 and flat pay ``2(n-1)``, two levels ``2(P-1) + 2(L-1)``.
+        reduce_gbps, device: as in :func:`estimate_speedup` (the default ``reduce_gbps`` by ``device``).
         wire_efficiency: TCP payload over link rate between nodes (inside a node: 1).
 
     Raises ``ValueError`` naming an argument out of range.
@@ -148,18 +144,15 @@ def estimate_two_level(
     p, local = _nodes(nodes, ranks_per_node)
     inter = real("inter_node_gbps", inter_node_gbps, positive=True)
     intra = real("intra_node_gbps", intra_node_gbps, positive=True, allow_inf=True)
-    compute_s = real("compute_s", compute_s, positive=False)
-    latency_s = real("latency_s", latency_s, positive=False)
-    device = device_type(device)
-    reduce_gbps = reduce_gbps_for(device, reduce_gbps)
-    efficiency = real("wire_efficiency", wire_efficiency, positive=True, upper=1.0)
-    local_s = _checked_local_s(local_s)
+    compute_s, latency_s = real("compute_s", compute_s, positive=False), real("latency_s", latency_s, positive=False)
+    device, efficiency = device_type(device), real("wire_efficiency", wire_efficiency, positive=True, upper=1.0)
+    reduce_gbps, local_s = reduce_gbps_for(device, reduce_gbps), _checked_local_s(local_s)
     costs = local_costs(num_params, p * local, codec_gbps, adam_step_s, onebit_step_s,
                         needed=bool(set(SCHEMES) - set(local_s)), device=device)
     nbytes = two_level_wire_bytes(num_params, p, local, segments=segments)
     rates = (inter * 1e9 / 8 * efficiency, intra * 1e9 / 8)  # payload bytes per second between and inside nodes
-    schemes = {scheme: _scheme_estimate(scheme, nbytes[scheme], rates, num_params, p, local, segments, reduce_gbps,
-                                        local_s, costs, compute_s, latency_s) for scheme in SCHEMES}
+    schemes = {s: _scheme_estimate(s, nbytes[s], rates, num_params, p, local, segments, reduce_gbps, local_s, costs,
+                                   compute_s, latency_s) for s in SCHEMES}
     return TwoLevelEstimate(num_params=num_params, nodes=p, ranks_per_node=local, inter_node_gbps=inter,
                             intra_node_gbps=intra, compute_s=compute_s, device=device, upper_bound=compute_s == 0,
                             schemes=schemes)
