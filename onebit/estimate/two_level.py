@@ -98,12 +98,7 @@ class TwoLevelEstimate:
 
 
 def estimate_two_level(
-    num_params: int,
-    nodes: int,
-    ranks_per_node: int,
-    inter_node_gbps: float,
-    intra_node_gbps: float,
-    *,
+    num_params: int, nodes: int, ranks_per_node: int, inter_node_gbps: float, intra_node_gbps: float, *,
     compute_s: float = 0.0,
     codec_gbps: float | None = None,
     adam_step_s: float | None = None,
@@ -129,13 +124,15 @@ def estimate_two_level(
         codec_gbps: as in :func:`estimate_speedup` (measured here when None and needed); the
             codec of each 1-bit scheme is the flat codec times its passes over the buffer
             (compressed ``1 + 1/(3L)``, node_mean ``(2 + 2/L)/3``).
-        adam_step_s, onebit_step_s: as in :func:`estimate_speedup` (measured when None and needed).
+        adam_step_s: as in :func:`estimate_speedup` (measured when None and needed).
+        onebit_step_s: likewise.
         local_s: seconds per step of each scheme apart from compute and communication (for fp32
             the Adam step; for 1-bit schemes maths and codec), overriding the modelled ones,
             e.g. measured in a run; schemes it leaves out are modelled.
         segments: tensors in the bucket (one float32 scale per tensor in each wire row).
         latency_s: per message; fp32 and flat pay ``2(n-1)``, two levels ``2(P-1) + 2(L-1)``.
-        reduce_gbps, device: as in :func:`estimate_speedup` (the default ``reduce_gbps`` by ``device``).
+        reduce_gbps: as in :func:`estimate_speedup` (default by ``device``).
+        device: ``'cpu'`` or ``'cuda'``, as in :func:`estimate_speedup`.
         wire_efficiency: TCP payload over link rate between nodes (inside a node: 1).
 
     Raises ``ValueError`` naming an argument out of range.
