@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 import subprocess
 import sys
@@ -349,3 +350,205 @@ def test_cli_prints_the_two_level_estimate(capsys):
     with pytest.raises(SystemExit):
         main(argv[:8] + argv[10:])  # --ranks-per-node without --intra-gbps
     assert "needs --intra-gbps" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ the command line (issue 44, row 8)
+
+from onebit.estimate import REDUCE_GBPS, Measured, cached_spread, measure_spread  # noqa: E402
+from onebit.estimate import cache as cache_module  # noqa: E402
+from onebit.estimate.cli import build_parser  # noqa: E402
+
+GIVEN = ["--codec-gbps", "2", "--adam-step-s", "0.1", "--onebit-step-s", "0.12"]
+
+
+def test_every_flag_has_help():
+    parser = build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert {"--reduce-gbps", "--latency-s", "--device", "--remeasure", "--no-cache"} <= {
+        s for a in flags for s in a.option_strings}
+    missing = [a.option_strings[0] for a in flags if not a.help or len(a.help) < 15]
+    assert not missing, f"flags without help: {missing}"
+    text = parser.format_help()
+    assert "one-way latency per message" in text and "fp32 all-reduce's own work" in text
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_reduce_speed_follows_the_device(device):
+    est = estimate_speedup(50_000_000, 8, 10, device=device, **COSTS)
+    assert est.reduce_gbps == REDUCE_GBPS[device] and est.device == device
+    assert est.fp32_reduce_s == pytest.approx(4 * 50_000_000 / (REDUCE_GBPS[device] * 1e9))
+    assert est.speedup == estimate_speedup(50_000_000, 8, 10, reduce_gbps=REDUCE_GBPS[device], **COSTS).speedup
+    # an explicit reduce_gbps wins over the device's default
+    assert estimate_speedup(50_000_000, 8, 10, device=device, reduce_gbps=0.25, **COSTS).reduce_gbps == 0.25
+
+
+def test_a_gpu_job_is_not_bound_by_the_cpu_reduce_speed(capsys):
+    """The issue's case: GPU-like local costs on a fast link. With the CPU's reduce speed the fp32
+    step is the reduce's, and the speedup is several times what the wire gives."""
+    gpu = dict(codec_gbps=500.0, adam_step_s=0.002, onebit_step_s=0.002)
+    cpu_default = estimate_speedup(100_000_000, 8, 100, compute_s=0.1, device="cpu", **gpu)
+    cuda_default = estimate_speedup(100_000_000, 8, 100, compute_s=0.1, device="cuda", **gpu)
+    assert cpu_default.fp32_reduce_s > cpu_default.fp32_wire_s  # 0.8 s of CPU reduce against 56 ms of wire
+    assert cuda_default.fp32_reduce_s == 0 and cuda_default.speedup < cpu_default.speedup / 3
+    argv = ["--params", "1e8", "--world-size", "8", "--bandwidth-gbps", "100", "--compute-s", "0.1",
+            "--codec-gbps", "500", "--adam-step-s", "0.002", "--onebit-step-s", "0.002", "--json"]
+    assert main(argv + ["--device", "cuda"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["speedup"] == pytest.approx(cuda_default.speedup)
+    assert data["reduce_gbps"] is None and data["device"] == "cuda"  # infinite: null in JSON
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["speedup"] == pytest.approx(cpu_default.speedup)
+
+
+def test_a_cuda_estimate_without_a_gpu_asks_for_the_costs(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ValueError, match="cannot measure a CUDA job's local costs here.*--codec-gbps"):
+        measure_spread(1000, 2, device="cuda")
+    with pytest.raises(ValueError, match="cannot measure a CUDA job's local costs here"):
+        estimate_speedup(1000, 2, 1.0, device="cuda", codec_gbps=2.0)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--params", "1e6", "--world-size", "2", "--bandwidth-gbps", "1", "--device", "cuda",
+              "--cache-file", str(tmp_path / "c.json")])
+    assert exit_info.value.code == 2
+    assert "--adam-step-s" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize("device", ["tpu", "", None, 3])
+def test_an_unknown_device_is_refused(device):
+    with pytest.raises(ValueError, match=f"invalid device: {re.escape(repr(device))}; expected one of 'cpu', 'cuda'"):
+        estimate_speedup(1000, 2, 1.0, device=device, **COSTS)
+
+
+def _fake_measurements(monkeypatch):
+    """measure_spread replaced by one whose every call gives other numbers (the n-th call: codec
+    n GB/s), so that two estimates agree only if the second reused the first's measurement."""
+    calls = []
+
+    def fake(num_params, world_size, *, sample, repeats, kernels, device):
+        calls.append((num_params, world_size, device))
+        k = len(calls)
+        samples = tuple(LocalCosts(num_params, float(k) + 0.1 * i, 0.01 * (1 + i), 0.005 * (2 - i)) for i in range(3))
+        return Measured(samples=samples[:repeats], device=device, threads=1, world_size=world_size,
+                        measured_at=f"call {k}")
+
+    monkeypatch.setattr(cache_module, "measure_spread", fake)
+    return calls
+
+
+CLI = ["--params", "4e6", "--world-size", "2", "--bandwidth-gbps", "1", "--compute-s", "0.05", "--json"]
+
+
+def test_two_identical_calls_give_the_same_estimate(monkeypatch, tmp_path, capsys):
+    calls = _fake_measurements(monkeypatch)
+    monkeypatch.setenv("ONEBIT_CACHE_DIR", str(tmp_path))
+    assert main(CLI) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(CLI) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert len(calls) == 1 and (tmp_path / "estimate.json").exists()
+    assert first["local_costs"]["source"] == "measured" and second["local_costs"]["source"] == "cache"
+    assert second["speedup"] == first["speedup"] and second["codec_gbps"] == first["codec_gbps"] == 1.1
+    # --remeasure measures again (other numbers here) and replaces the cached ones
+    assert main(CLI + ["--remeasure"]) == 0
+    assert json.loads(capsys.readouterr().out)["codec_gbps"] == 2.1 and len(calls) == 2
+    assert main(CLI) == 0
+    assert json.loads(capsys.readouterr().out)["codec_gbps"] == 2.1 and len(calls) == 2
+    # --no-cache: measured now, the file untouched
+    before = (tmp_path / "estimate.json").read_text()
+    assert main(CLI + ["--no-cache"]) == 0
+    assert json.loads(capsys.readouterr().out)["local_costs"]["cache_file"] is None
+    assert len(calls) == 3 and (tmp_path / "estimate.json").read_text() == before
+
+
+def test_the_cache_keys_on_what_the_measurement_depends_on(monkeypatch, tmp_path):
+    calls = _fake_measurements(monkeypatch)
+    path = tmp_path / "sub" / "costs.json"
+    a, hit_a = cached_spread(4_000_000, 2, path=path, repeats=3)
+    b, hit_b = cached_spread(8_000_000, 2, path=path, repeats=3)  # another sample size
+    c, hit_c = cached_spread(4_000_000, 3, path=path, repeats=3)  # another world size
+    d, hit_d = cached_spread(4_000_000, 2, path=path, repeats=3)
+    assert (hit_a, hit_b, hit_c, hit_d) == (False, False, False, True) and len(calls) == 3
+    assert d == a
+    big, hit = cached_spread(50_000_000, 2, path=path, repeats=3, sample=8_000_000)  # scaled from the 8M sample
+    assert hit and big.samples[0].adam_step_s == pytest.approx(b.samples[0].adam_step_s * 50 / 8)
+    assert big.median.codec_gbps == b.median.codec_gbps
+    monkeypatch.setattr("torch.get_num_threads", lambda: 977)  # another thread count
+    assert cached_spread(4_000_000, 2, path=path, repeats=3)[1] is False and len(calls) == 4
+
+
+def test_a_damaged_cache_is_measured_again_and_rewritten(monkeypatch, tmp_path, caplog):
+    calls = _fake_measurements(monkeypatch)
+    path = tmp_path / "estimate.json"
+    path.write_text("{not json")
+    with caplog.at_level("WARNING", logger="onebit.estimate.cache"):
+        _, hit = cached_spread(1_000_000, 2, path=path, repeats=2)
+    assert not hit and len(calls) == 1 and "ignoring the unreadable cache" in caplog.text
+    assert json.loads(path.read_text())["format"] == 1
+    assert cached_spread(1_000_000, 2, path=path, repeats=2)[1] is True
+
+
+def test_the_spread_of_the_runs_is_printed_with_the_speedups_at_its_ends(monkeypatch, tmp_path, capsys):
+    _fake_measurements(monkeypatch)
+    argv = [a for a in CLI if a != "--json"] + ["--cache-file", str(tmp_path / "c.json")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    # the fake's runs: codec 1.0/1.1/1.2 GB/s, Adam 10/20/30 ms, 1-bit maths 10/5/0 ms
+    assert "3 runs; median (min-max)): codec 1.10 GB/s (1.00-1.20), Adam step 20.00 ms (10.00-30.00)" in text
+    assert "1-bit maths 5.00 ms (0.00-10.00)" in text and "saved in" in text
+    low = estimate_speedup(4_000_000, 2, 1, compute_s=0.05, codec_gbps=1.0, adam_step_s=0.01, onebit_step_s=0.01)
+    high = estimate_speedup(4_000_000, 2, 1, compute_s=0.05, codec_gbps=1.2, adam_step_s=0.03, onebit_step_s=0.0)
+    assert f"over the measured spread: {low.speedup:.2f}x to {high.speedup:.2f}x" in text
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["speedup_range"] == pytest.approx([low.speedup, high.speedup])
+    assert low.speedup < data["speedup"] < high.speedup
+    # a cost given as a flag stays as given at both ends
+    assert main(argv + ["--json", "--codec-gbps", "4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["codec_gbps"] == 4.0 and data["speedup_range"][0] == pytest.approx(estimate_speedup(
+        4_000_000, 2, 1, compute_s=0.05, codec_gbps=4.0, adam_step_s=0.01, onebit_step_s=0.01).speedup)
+
+
+def test_measured_runs_are_kept_and_scaled():
+    got = measure_spread(1 << 18, 2, sample=1 << 14, repeats=3)
+    assert len(got.samples) == 3 and {s.num_params for s in got.samples} == {1 << 18}
+    assert got.device == "cpu" and got.world_size == 2 and got.threads >= 1
+    low, high = got.bounds()
+    assert low.codec_gbps <= got.median.codec_gbps <= high.codec_gbps
+    assert low.onebit_step_s >= got.median.onebit_step_s >= high.onebit_step_s
+    assert got.median.adam_step_s == sorted(s.adam_step_s for s in got.samples)[1]
+    assert Measured.from_dict(json.loads(json.dumps(got.as_dict()))) == got
+
+
+def test_a_real_measurement_is_reused_from_the_cache(tmp_path):
+    path = tmp_path / "estimate.json"
+    first, hit = cached_spread(1 << 14, 2, path=path, repeats=2)
+    again, hit_again = cached_spread(1 << 14, 2, path=path, repeats=2)
+    assert (hit, hit_again) == (False, True) and again == first
+
+
+def test_local_costs_scale_linearly():
+    costs = LocalCosts(1000, 3.0, 0.01, 0.02).scaled(5000)
+    assert costs == LocalCosts(5000, 3.0, 0.05, 0.1)
+
+
+def test_without_compute_time_the_estimate_says_it_is_an_upper_bound(capsys):
+    assert estimate_speedup(1_000_000, 2, 1.0, **COSTS).upper_bound is True
+    assert estimate_speedup(1_000_000, 2, 1.0, compute_s=0.1, **COSTS).upper_bound is False
+    argv = ["--params", "1e6", "--world-size", "2", "--bandwidth-gbps", "1", *GIVEN]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "expected speedup of the compression phase: at most" in text and "an upper bound" in text
+    assert main(argv + ["--compute-s", "0.1"]) == 0
+    text = capsys.readouterr().out
+    assert "upper bound" not in text and "at most" not in text
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["upper_bound"] is True
+    two = ["--params", "1e6", "--world-size", "4", "--bandwidth-gbps", "1", "--ranks-per-node", "2",
+           "--intra-gbps", "10", *GIVEN]
+    assert main(two) == 0
+    assert "an upper bound" in capsys.readouterr().out
+    assert main(two + ["--compute-s", "0.1"]) == 0
+    assert "upper bound" not in capsys.readouterr().out
+    assert estimate_two_level(1_000_000, 2, 2, 1.0, 10.0, **COSTS).upper_bound is True

@@ -1,0 +1,7 @@
+"""``python -m onebit.estimate``: see :mod:`onebit.estimate.cli`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
