@@ -186,6 +186,10 @@ class OnebitDiLoCo(OnebitOptimizer):
         check_choice("compression", compression, COMPRESSIONS)
         self.compression, self.error_feedback = compression, _check_error_feedback(error_feedback)
         self.outer_bits = _check_outer_bits(outer_bits)
+        if compression == "none" and (error_feedback, outer_bits) != ("buffer", 1):
+            raise ValueError(f"OnebitDiLoCo(compression='none') averages exactly: it has no residual, so "
+                             f"error_feedback={error_feedback!r} and outer_bits={outer_bits!r} would change nothing; "
+                             "leave them at their defaults")
         for name in ("overlap_backward", "hierarchy"):
             if options.get(name) not in (None, False):
                 raise ValueError(f"OnebitDiLoCo({name}={options[name]!r}) is not supported: its inner steps send "
@@ -207,10 +211,6 @@ class OnebitDiLoCo(OnebitOptimizer):
                 continue
             for view, p in zip(bucket.views["global_params"], bucket.params):
                 view.copy_(p.detach())
-            if not hasattr(bucket, "extra_passes"):  # the codec states of the passes after the first
-                bucket.extra_passes = [] if self.compression == "none" else [
-                    new_state(bucket.padded, self._backend.world_size, bucket.device, bucket.layout.edges)
-                    for _ in range(self.outer_bits - 1)]
             if self.outer_momentum > 0 and "outer_momentum_buffer" not in bucket.buffers:
                 self._allocate(bucket, "outer_momentum_buffer")  # (so that a DCP load's template holds it)
             if self.compression == "none" and not isinstance(bucket.compression, ExactAverage):
@@ -298,7 +298,8 @@ class OnebitDiLoCo(OnebitOptimizer):
         """The outer Nesterov step on the averaged pseudo-gradient; every rank continues from the
         new global parameters."""
         delta = bucket.compressed
-        self._more_passes(bucket, delta)
+        if self.compression == "onebit":
+            self._more_passes(bucket, delta)
         theta = bucket.buffers["global_params"]
         mu = self.outer_momentum
         if mu > 0:
@@ -329,7 +330,11 @@ class OnebitDiLoCo(OnebitOptimizer):
         its average to ``delta``; the last pass's residuals are the first pass's errors again (the
         further passes' own errors are 0 between outer steps)."""
         first = bucket.compression
-        for state in bucket.extra_passes:
+        passes = getattr(bucket, "extra_passes", [])  # (their errors are 0 between outer steps: made when needed)
+        while len(passes) < self.outer_bits - 1:
+            passes.append(new_state(bucket.padded, self._backend.world_size, bucket.device, bucket.layout.edges))
+        bucket.extra_passes = passes = passes[:self.outer_bits - 1]
+        for state in passes:
             residual = bucket.scratch("residual")  # (its padding stays 0, as the first pass's input's)
             for view, error in zip(bucket.view(residual), bucket.view(first.worker_error)):
                 view.copy_(error)

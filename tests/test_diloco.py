@@ -268,6 +268,8 @@ def test_simulation_can_fail():
     (dict(error_feedback="params"), ValueError, r"invalid error_feedback: 'params'; expected one of 'buffer', 'model'"),
     (dict(outer_bits=0), ValueError, r"outer_bits must be an int from 1 to 8 .*got 0"),
     (dict(outer_bits=1.5), ValueError, r"outer_bits must be an int from 1 to 8 .*got 1.5"),
+    (dict(compression="none", outer_bits=2), ValueError, r"averages exactly: it has no residual.*leave them"),
+    (dict(compression="none", error_feedback="model"), ValueError, r"averages exactly: it has no residual"),
     (dict(freeze_step=10), TypeError, r"does not take freeze_step=10: OnebitDiLoCo has no full-precision warmup"),
 ])
 def test_bad_input_is_refused(kwargs, error, pattern):
@@ -313,14 +315,16 @@ def test_built_from_a_config():
     assert (opt.sync_every, opt.outer_lr, opt.outer_momentum, opt.param_groups[0]["lr"]) == (8, 1.0, 0.0, 2e-3)
 
 
-def _resumed_at(rank: int, directory: str, at: int) -> list[list[torch.Tensor]]:
+def _resumed_at(rank: int, directory: str, at: int | None, **settings) -> list[list[torch.Tensor]]:
     """The plain run, saved with onebit.save_checkpoint(exact_resume=True) after step ``at`` and
-    continued by a new model and optimizer (another seed, other settings) loaded from it."""
+    continued by a new model and optimizer (another seed, other settings) loaded from it (the
+    schedule and ``settings`` travel with the state); ``at=None``: straight through."""
     model = _model()
-    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_momentum=0.9, comm_backend_name="gloo")
+    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_momentum=0.9, comm_backend_name="gloo",
+                       **settings)
     trajectory = []
     for t in range(1, STEPS + 1):
-        if t == at + 1:
+        if at is not None and t == at + 1:
             path = os.path.join(directory, f"at{at}.pt")
             save_checkpoint(path, opt, model=model, exact_resume=True)
             model = _model(seed=5)
@@ -339,6 +343,8 @@ def _under_ddp(rank: int, world_size: int, directory: str) -> dict:
     from onebit.integrations import attach_ddp
 
     out = {"resumed": {at: _resumed_at(rank, directory, at) for at in (H, H + 1)}}
+    two = dict(outer_bits=2, error_feedback="model")
+    out["two"] = {"straight": _resumed_at(rank, directory, None, **two), "resumed": _resumed_at(rank, directory, H, **two)}
     for mode in ("plain", "ddp"):
         model = _model()
         opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_momentum=0.9, comm_backend_name="gloo")
@@ -371,6 +377,9 @@ def test_ddp_never_averages_gradients_and_changes_nothing(tmp_path):
         for at, trajectory in r["resumed"].items():
             for t, (mine, plain) in enumerate(zip(trajectory, r["plain"]["trajectory"]), start=1):
                 assert all(torch.equal(a, b) for a, b in zip(mine, plain)), (at, t)
+        # outer_bits=2 and error_feedback="model" travel with the state (the loader was built with the defaults)
+        for t, (mine, straight) in enumerate(zip(r["two"]["resumed"], r["two"]["straight"]), start=1):
+            assert all(torch.equal(a, b) for a, b in zip(mine, straight)), t
         assert r["ddp"]["synced"] == [False] * STEPS
         for mine, plain in zip(r["ddp"]["trajectory"], r["plain"]["trajectory"]):
             assert all(torch.equal(a, b) for a, b in zip(mine, plain))
