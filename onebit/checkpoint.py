@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .engine import OnebitOptimizer
-from .shards import is_dtensor
+from .shards import is_dtensor, local
 from .state import saved_step
 
 logger = logging.getLogger(__name__)
@@ -445,12 +445,18 @@ def save_compression_errors(directory: str | os.PathLike, optimizer: OnebitOptim
     directory, after ``dcp.save``), one file per rank (``onebit-errors-rank<r>.pt``, written
     atomically), so that :func:`load_compression_errors` can resume bit for bit on the same layout.
     Call it on every rank. DCP itself saves no per-rank state: without these files a load resets
-    the errors, which is what a load into another layout does anyway."""
+    the errors, which is what a load into another layout does anyway. While the ranks' replicas
+    differ (``replicas_identical`` False: between the syncs of ``ZeroOneAdam``, always for
+    ``OnebitDiLoCo``'s inner moments), where DCP keeps one replica's copy of what they share, the
+    file also holds this rank's own optimizer state and parameter values (of its shards)."""
     backend = optimizer.backend
     part = {"format": _FILE_MARKER + "-errors", "step": optimizer.step_count, "layout": optimizer.layout_digest(),
             "world_size": backend.world_size, "rank": backend.rank,
             "replicas_identical": optimizer.replicas_identical,
             "errors": [(w.detach().cpu().clone(), s.detach().cpu().clone()) for w, s in optimizer.compression_errors()]}
+    if not optimizer.replicas_identical:  # DCP keeps one replica's copy: this rank's own, beside it
+        part["own"] = {"optimizer": optimizer.state_dict(),
+                       "params": [local(p).detach().cpu().clone() for g in optimizer.param_groups for p in g["params"]]}
     _atomic_write(_serialize(part), _errors_path(Path(directory)))
 
 
@@ -479,15 +485,22 @@ def load_compression_errors(directory: str | os.PathLike, optimizer: OnebitOptim
             reason = "it was saved with another parameter layout"
         elif part.get("step") != optimizer.step_count:
             reason = f"its errors are of step {part.get('step')}, the optimizer state is of step {optimizer.step_count}"
-        elif not part.get("replicas_identical", True):
+        elif not part.get("replicas_identical", True) and "own" not in part:
             reason = "it was saved between the syncs of ZeroOneAdam, when DCP kept one replica's state"
         else:
-            mine = part["errors"]
+            mine = part
     mine, reason = _everywhere_or_nowhere(optimizer, mine, reason)
     if mine is None:
         logger.info("onebit: rank %d: compression errors not restored from %s (%s); they stay reset",
                     backend.rank, directory, reason)
         return False
     device = _device(optimizer)
-    optimizer.restore_compression_errors([(w.to(device), s.to(device)) for w, s in mine])
+    errors = [(w.to(device), s.to(device)) for w, s in mine["errors"]]
+    if "own" in mine:  # this rank's own replica, where DCP loaded one replica's
+        with torch.no_grad():
+            for p, value in zip([p for g in optimizer.param_groups for p in g["params"]], mine["own"]["params"]):
+                local(p).copy_(value)
+        optimizer.restore(mine["own"]["optimizer"], errors)
+    else:
+        optimizer.restore_compression_errors(errors)
     return True

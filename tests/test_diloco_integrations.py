@@ -15,8 +15,8 @@ Three launches, each running several checks:
   1-bit average the same optimizer over plain tensors holding the local shards bit for bit, and
   the unsharded run within a measured tolerance (the scales are per shard, not per tensor). DCP
   checkpoints (with onebit's compression-error files): saved after ``synchronize()``, a resume
-  is bit for bit; saved right after an outer step it is not yet (a strict xfail: DCP keeps one
-  copy of the inner moments, which differ between workers).
+  is bit for bit; saved right after an outer step or mid-round without it too (DCP keeps one
+  replica's copy; onebit's per-rank file beside it holds each rank's own state and shards).
 * GradScaler, 2 gloo ranks: an overflow on one rank at an inner step skips that rank's inner step
   alone (the step counts on every rank); at an outer step every rank skips the whole step and
   the next call is the outer step again; against a single-process simulator of both rules.
@@ -473,6 +473,7 @@ def _hsdp_ranks(rank: int, world_size: int, directory: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     return {"onebit": _hsdp_against_unsharded(mesh, "onebit"), "none": _hsdp_against_unsharded(mesh, "none"),
             "dcp_outer": _dcp_resume(mesh, directory, H, synchronize=False),
+            "dcp_mid_round": _dcp_resume(mesh, directory, H + 1, synchronize=False),
             "dcp_synchronized": _dcp_resume(mesh, directory, H + 1, synchronize=True)}
 
 
@@ -521,21 +522,18 @@ def test_dcp_resume_after_synchronize_is_bit_identical(hsdp):
         assert run["bit_for_bit"], rank
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: the inner AdamW moments differ between workers even right after an outer step (replicas_identical "
-    "says True there), and DCP saves one copy of each replicated shard, taken from either replica, so every "
-    "worker resumes with moments partly of the other while load_compression_errors restores the errors as for "
-    "an exact resume; needs the rank-local moments beside the errors (save_compression_errors)"))
-def test_dcp_resume_at_an_outer_step_is_bit_identical(hsdp):
+def test_dcp_resume_without_synchronize_is_bit_identical(hsdp):
     """A DCP save right after an outer step (parameters, global parameters and outer momentum the
-    same on every replica; the inner moments each worker's own) continues bit for bit."""
+    same on every replica; the inner moments each worker's own) or mid-round (the parameters each
+    worker's own too): DCP keeps one replica's copy, and onebit's per-rank file beside it
+    (save_compression_errors) holds this rank's own state and shards, which
+    load_compression_errors puts back: the run continues bit for bit."""
     for rank, r in enumerate(hsdp):
-        run = r["dcp_outer"]
-        assert run["restored"] and run["step"] == H, (rank, run)
-        assert run["params_equal"] and run["state_equal"]["global_params"], (rank, run)
-        assert run["state_equal"]["outer_momentum_buffer"], (rank, run)
-        assert run["state_equal"]["exp_avg"] and run["state_equal"]["exp_avg_sq"], (rank, run)
-        assert run["bit_for_bit"], rank
+        for name, step in (("dcp_outer", H), ("dcp_mid_round", H + 1)):
+            run = r[name]
+            assert run["restored"] and run["step"] == step, (rank, name, run)
+            assert run["params_equal"] and all(run["state_equal"].values()), (rank, name, run)
+            assert run["bit_for_bit"], (rank, name)
 
 
 # ----------------------------------------------------------------- GradScaler
