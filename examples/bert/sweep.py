@@ -39,8 +39,8 @@ The runs:
   demo's AdamW inside, a plain average outside: ``outer_lr`` 1, ``outer_momentum`` 0) with
   ``sync_every`` H; ``diloco_h<H>_nesterov``: DiLoCo's published outer step (lr 0.7, Nesterov 0.9);
   ``*_none``: the same with ``compression="none"`` (the exact float32 mean); ``*_buffer`` /
-  ``*_model``: with ``error_feedback`` "buffer" / "model"; ``*_bits2``: ``outer_bits`` 2 (``*_bits2_model``: and
-  ``error_feedback`` "model"); ``*_block<K>``: with one scale per K
+  ``*_model``: with ``error_feedback`` "buffer" / "model"; ``*_bits2`` / ``*_bits3``: ``outer_bits`` 2 / 3
+  (``*_bits2_model``: and ``error_feedback`` "model"); ``*_block<K>``: with one scale per K
   elements; all against ``demo_adam``;
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
@@ -102,6 +102,7 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
             runs[f"{name}_model"] = ({**params, "error_feedback": "model"}, adam, kind)
             runs[f"{name}_bits2"] = ({**params, "outer_bits": 2}, adam, kind)
             runs[f"{name}_bits2_model"] = ({**params, "outer_bits": 2, "error_feedback": "model"}, adam, kind)
+            runs[f"{name}_bits3"] = ({**params, "outer_bits": 3}, adam, kind)
             for block in (128, 1024):
                 runs[f"{name}_block{block}"] = ({**params, "scale_block_size": block}, adam, kind)
     for block in (128, 1024, 4096):
