@@ -153,6 +153,15 @@ class OnebitDiLoCo(OnebitOptimizer):
             server's server error), and the last pass's residuals wait for the next outer step:
             ``k`` passes send ``k`` times the bytes and leave less behind (see
             ``docs/guides/tuning.md``).
+        fragments: ``P``, the parts of the parameters that take their outer steps in turn
+            (Streaming DiLoCo's fragments, arXiv 2501.18512, without overlap); default 1: every
+            parameter at every ``H``-th step. The buckets (of at most ``ceil(total / P)`` elements,
+            ``bucket_size`` if smaller) are cut into ``P`` runs of about equal size, in their order
+            (a tensor is never split); fragment ``k``'s outer step is at the steps ``t`` with
+            ``t % H == k * H // P``, where the other fragments take an inner step. So one fragment
+            is averaged at a time: the bytes of a round are the same, the largest step sends about
+            ``1 / P`` of them. An int in ``[1, H]``; :meth:`fragment_of` says a parameter's fragment,
+            and ``comm_stats()["outer"]["fragments"]`` the elements, outer steps and bytes of each.
         bias_correction: the inner AdamW's bias correction (on by default, as in torch).
         **options: the keyword-only options of every onebit optimizer (transport, group, masks,
             buckets, scale blocks, non-finite gradients, divergence, kernels): see
