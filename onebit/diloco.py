@@ -330,6 +330,7 @@ class OnebitDiLoCo(OnebitOptimizer):
     # ----------------------------------------------------------------- statistics
 
     def step(self, closure=None):
+        """:meth:`onebit.engine.OnebitOptimizer.step`; an outer step also counts for its fragment."""
         t = self._step + 1
         loss = super().step(closure)
         k = self._fragment_at(t)
