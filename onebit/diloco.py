@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import functional as F
+from . import fragments as fragmenting
 from .buckets import Bucket
 from .collectives import compressed_allreduce_, new_state
 from .engine import OnebitOptimizer
@@ -17,6 +18,7 @@ from .layout import ranks_holding_other
 from .plan import StepPlan
 from .spec import Schedule, Setting, StateSpec
 from .exact import ExactAverage
+from .shards import local
 from .validation import DEEPSPEED_COMMON_REFUSED, check_choice, check_flag, check_number, is_int
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,22 @@ def _check_error_feedback(value: Any) -> str:
     return value
 
 
+def _check_fragments(value: Any, saved: bool = False) -> int:
+    if not is_int(value, 1):
+        where = " in the checkpoint" if saved else ""
+        raise ValueError(f"fragments must be an int >= 1 (the parts of the parameters that take their outer steps in "
+                         f"turn; 1: all at once){where}, got {value!r}")
+    return value
+
+
+def _check_fragments_fit(fragments: int, sync_every: int, saved: bool = False) -> None:
+    if fragments > sync_every:
+        where = " in the checkpoint" if saved else ""
+        raise ValueError(f"fragments={fragments} > sync_every={sync_every}{where}: each fragment takes its outer step "
+                         f"at a step of its own in every round of sync_every steps; pass fragments <= sync_every "
+                         f"(or sync_every >= {fragments})")
+
+
 #: the schedule saved with the state: the position in the round comes from the step number
 SCHEDULE = Schedule((
     Setting("sync_every", lambda value: _check_sync_every(value, saved=True)),
@@ -74,7 +92,8 @@ SCHEDULE = Schedule((
     Setting("outer_momentum", _check_outer_momentum),
     Setting("error_feedback", lambda value: _check_error_feedback(value), absent="buffer", omit="buffer"),
     Setting("outer_bits", lambda value: _check_outer_bits(value), absent=1, omit=1),
-))
+    Setting("fragments", lambda value: _check_fragments(value, saved=True), absent=1, omit=1),
+), check_all=lambda values: _check_fragments_fit(values["fragments"], values["sync_every"], saved=True))
 
 
 class OnebitDiLoCo(OnebitOptimizer):
@@ -134,6 +153,15 @@ class OnebitDiLoCo(OnebitOptimizer):
             server's server error), and the last pass's residuals wait for the next outer step:
             ``k`` passes send ``k`` times the bytes and leave less behind (see
             ``docs/guides/tuning.md``).
+        fragments: ``P``, the parts of the parameters that take their outer steps in turn
+            (Streaming DiLoCo's fragments, arXiv 2501.18512, without overlap); default 1: every
+            parameter at every ``H``-th step. The buckets (of at most ``ceil(total / P)`` elements,
+            ``bucket_size`` if smaller) are cut into ``P`` runs of about equal size, in their order
+            (a tensor is never split); fragment ``k``'s outer step is at the steps ``t`` with
+            ``t % H == k * H // P``, where the other fragments take an inner step. So one fragment
+            is averaged at a time: the bytes of a round are the same, the largest step sends about
+            ``1 / P`` of them. An int in ``[1, H]``; :meth:`fragment_of` says a parameter's fragment,
+            and ``comm_stats()["outer"]["fragments"]`` the elements, outer steps and bytes of each.
         bias_correction: the inner AdamW's bias correction (on by default, as in torch).
         **options: the keyword-only options of every onebit optimizer (transport, group, masks,
             buckets, scale blocks, non-finite gradients, divergence, kernels): see
@@ -179,10 +207,12 @@ class OnebitDiLoCo(OnebitOptimizer):
         compression: str = "onebit",
         error_feedback: str = "buffer",
         outer_bits: int = 1,
+        fragments: int = 1,
         bias_correction: bool = True,
         **options: Any,
     ) -> None:
         _check_outer(sync_every, outer_lr, outer_momentum)
+        _check_fragments_fit(_check_fragments(fragments), sync_every)
         check_choice("compression", compression, COMPRESSIONS)
         self.compression, self.error_feedback = compression, _check_error_feedback(error_feedback)
         self.outer_bits = _check_outer_bits(outer_bits)
@@ -195,15 +225,25 @@ class OnebitDiLoCo(OnebitOptimizer):
                 raise ValueError(f"OnebitDiLoCo({name}={options[name]!r}) is not supported: its inner steps send "
                                  f"nothing, and its outer step is one compressed all-reduce; leave {name} unset")
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
+        self.fragments = fragments
+        self._fragment_of: dict[int, int] | None = None  # id(bucket) -> its fragment (see _fragment_map)
+        self._fragment_counts: dict[int, list[int]] = {}  # fragment -> [outer steps, bytes sent] (comm_stats)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, **options)
+        if fragments > 1 and len(self._buckets) < fragments:
+            numels = [local(p).numel() for b in self._buckets for p in b.owners]
+            raise ValueError(
+                f"OnebitDiLoCo(fragments={fragments}): the trainable parameters make {len(self._buckets)} buckets, one "
+                f"fewer than a fragment each needs (a tensor is never split: the largest has {max(numels, default=0)} "
+                f"of the {sum(numels)} elements); pass fragments <= {max(1, len(self._buckets))}")
 
     def _build_group_buckets(self, index: int) -> None:
         """The group's buckets, their global parameters the parameters now (at construction, or
         when ``add_param_group`` adds the group: the next outer step checks that every rank
         started them from the same values), and with ``outer_momentum > 0`` the outer momentum
         (at 0 it never exists, unless a load brings one)."""
+        self._fragment_of = None
         super()._build_group_buckets(index)
         self._start_checked = False
         for bucket in self._buckets:
@@ -225,10 +265,60 @@ class OnebitDiLoCo(OnebitOptimizer):
             raise ValueError("OnebitDiLoCo: compress=False in a param group is not supported: every parameter "
                              "takes part in the outer step; remove the key")
 
+    def _bucket_cap(self) -> int:
+        """With ``fragments=P > 1``, buckets of at most ``ceil(total / P)`` elements (``total``: the
+        trainable elements of every group), so that they can be cut into ``P`` fragments of about
+        equal size."""
+        if self.fragments == 1:
+            return self.bucket_size
+        total = sum(local(p).numel() for group in self.param_groups for p in group["params"] if p.requires_grad)
+        return max(1, min(self.bucket_size, -(-total // self.fragments)))
+
+    def _forget(self) -> None:
+        self._fragment_of = None  # (a load may bring another fragments)
+
     # ----------------------------------------------------------------- the schedule
 
     def plan_for(self, step: int) -> StepPlan:
-        return OUTER if step % self.sync_every == 0 else INNER
+        return INNER if self._fragment_at(step) is None else OUTER
+
+    def _fragment_at(self, step: int) -> int | None:
+        """The fragment whose outer step step ``step`` is (:func:`onebit.fragments.fragment_at`),
+        or None: an inner step of every bucket (so is the step of a fragment without buckets)."""
+        k = fragmenting.fragment_at(step, self.sync_every, self.fragments)
+        if k is None or self.fragments == 1:
+            return k
+        return k if k in self._fragment_map().values() else None
+
+    def _fragment_map(self) -> dict[int, int]:
+        """``id(bucket) -> fragment`` (:func:`onebit.fragments.assign` over the buckets' sizes, in
+        their order), derived again when next needed after the buckets or ``fragments`` changed.
+        Fewer buckets than fragments (after a load that brought another ``fragments``, or once
+        fewer parameters train) leaves the last fragments empty: said once, on rank 0."""
+        if self._fragment_of is None:
+            kinds = fragmenting.assign([b.numel for b in self._buckets], self.fragments)
+            self._fragment_of = {id(b): k for b, k in zip(self._buckets, kinds)}
+            if self.fragments > 1 and len(set(kinds)) < self.fragments and self._speaks:
+                logger.warning(
+                    "onebit: OnebitDiLoCo fragments=%d, but its %d buckets (laid out when it was built, for the "
+                    "parameters training then) fill %d of them: the steps of the others are inner steps. Build the "
+                    "optimizer with fragments=%d to cut the parameters into that many", self.fragments,
+                    len(self._buckets), len(set(kinds)), self.fragments)
+        return self._fragment_of
+
+    def _compresses(self, bucket: Bucket, plan: StepPlan, t: int) -> bool:
+        """At the outer step of fragment ``k``, only its buckets go through the 1-bit all-reduce;
+        the others take an inner step."""
+        return self.fragments == 1 or self._fragment_map()[id(bucket)] == self._fragment_at(t)
+
+    def fragment_of(self, param: torch.Tensor) -> int:
+        """The fragment of the trainable parameter ``param`` (0 with ``fragments=1``): its outer
+        steps are the steps ``t`` with ``t % sync_every == k * sync_every // fragments``."""
+        for bucket in self._buckets:
+            if any(p is param for p in bucket.owners):
+                return self._fragment_map()[id(bucket)]
+        raise ValueError(f"fragment_of: the tensor of shape {tuple(param.shape)} is not a trainable parameter of this "
+                         "optimizer; pass one of its param_groups' parameters that requires a gradient")
 
     @property
     def replicas_identical(self) -> bool:
@@ -237,6 +327,37 @@ class OnebitDiLoCo(OnebitOptimizer):
         inner moments, so a checkpoint must still hold every rank's state."""
         return self._step == 0 or self._synced_at == self._step
 
+    # ----------------------------------------------------------------- statistics
+
+    def step(self, closure=None):
+        """:meth:`onebit.engine.OnebitOptimizer.step`; an outer step also counts for its fragment."""
+        t = self._step + 1
+        loss = super().step(closure)
+        k = self._fragment_at(t)
+        if k is not None:  # (the outer steps of each fragment, for comm_stats())
+            last = self._backend.stats_dict(None)
+            counts = self._fragment_counts.setdefault(k, [0, 0])
+            counts[0] += last["steps"]
+            counts[1] += last["bytes_sent"]
+        return loss
+
+    def comm_stats(self) -> dict[str, Any]:
+        """:meth:`onebit.engine.OnebitOptimizer.comm_stats`, whose ``"outer"`` entry also holds
+        ``"fragments"``: per fragment, its trainable elements (``numel``), its outer steps taken
+        (``steps``) and the bytes this rank sent in them (``bytes_sent``)."""
+        stats = super().comm_stats()
+        numels = [0] * self.fragments
+        for bucket in self._buckets:
+            numels[self._fragment_map()[id(bucket)]] += bucket.numel
+        stats["outer"]["fragments"] = [{"numel": numel, "steps": self._fragment_counts.get(k, [0, 0])[0],
+                                        "bytes_sent": self._fragment_counts.get(k, [0, 0])[1]}
+                                       for k, numel in enumerate(numels)]
+        return stats
+
+    def reset_comm_stats(self) -> None:
+        super().reset_comm_stats()
+        self._fragment_counts = {}
+
     # ----------------------------------------------------------------- the steps
 
     def _present(self, bucket: Bucket, plan: StepPlan) -> list[bool]:
@@ -244,7 +365,8 @@ class OnebitDiLoCo(OnebitOptimizer):
         # outer step so is one whose learning rate is 0: its local moves since the last outer step
         # wait for the next outer step that updates it (synchronize() aligns everything at once).
         present = super()._present(bucket, plan)
-        if plan is OUTER and self.param_groups[bucket.group_index]["lr"] == 0:
+        if (plan is OUTER and self.param_groups[bucket.group_index]["lr"] == 0
+                and self._compresses(bucket, plan, self._step + 1)):  # (the step being taken)
             return [False] * len(present)
         return present
 

@@ -421,7 +421,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
 
     def _build_group_buckets(self, index: int) -> None:
         group = self.param_groups[index]
-        for params in split_into_buckets(group["params"], self.bucket_size):
+        for params in split_into_buckets(group["params"], self._bucket_cap()):
             bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
                             self.STATE.eager, self.STATE.scalars, topology=self._topology)
             for i, p in enumerate(bucket.owners):
@@ -430,6 +430,10 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             if bucket.device not in self._kernels:
                 self._kernels[bucket.device] = get_kernels(bucket.device, self._kernel_choice)
             self._buckets.append(bucket)
+
+    def _bucket_cap(self) -> int:
+        """The most elements a new bucket holds: ``bucket_size`` (an algorithm may bucket more finely)."""
+        return self.bucket_size
 
     def _invalidate(self) -> None:
         """The one path by which the state changes from outside a step (a load, a copy): every

@@ -34,31 +34,41 @@ class Steps:
     """The step machinery of :class:`onebit.engine.OnebitOptimizer` (which provides the state it
     reads: buckets, backend, health, timers and the algorithm's hooks)."""
 
-    def _classify(self, plan: StepPlan, buckets: list[Bucket] | None = None) -> tuple[list[Bucket], ...]:
+    def _classify(self, plan: StepPlan, t: int, buckets: list[Bucket] | None = None) -> tuple[list[Bucket], ...]:
         """``(compressed, averaged, reduced)``: the buckets (of ``buckets``, default all) whose
-        buffer goes through the compressed all-reduce in step of ``plan``, those updated from
-        their averaged gradients, and of those the ones this optimizer all-reduces."""
+        buffer goes through the compressed all-reduce in step ``t`` of ``plan``, those updated from
+        their averaged gradients, and of those the ones this optimizer all-reduces. The others
+        take a local step (``_update_local``): every bucket on a step that communicates nothing,
+        and the compressed buckets that the algorithm leaves out of step ``t`` (:meth:`_compresses`)."""
         buckets = self._buckets if buckets is None else buckets
-        compressed = [b for b in buckets if plan.compress and b.compression is not None]
+        compressible = [b for b in buckets if plan.compress and b.compression is not None]
+        compressed = [b for b in compressible if self._compresses(b, plan, t)]
         # Buckets that are not compressed all-reduce their gradients in full precision on every
         # step that communicates (a compress=False group; on every step at all with
         # _AVERAGE_UNCOMPRESSED_ALWAYS), unless the caller averaged them.
         communicates = plan.average_gradients or plan.compress
-        averaged = [b for b in buckets if b not in compressed
+        averaged = [b for b in buckets if b not in compressible
                     and (communicates or (self._AVERAGE_UNCOMPRESSED_ALWAYS and b.compression is None))]
         reduced = [] if self._gradients_averaged and plan.average_gradients else averaged
         return compressed, averaged, reduced
+
+    def _compresses(self, bucket: Bucket, plan: StepPlan, t: int) -> bool:
+        """Whether step ``t`` of ``plan`` (a plan that compresses) puts ``bucket`` through the
+        compressed all-reduce; False: the bucket takes a local step instead. Every compressed
+        bucket, by default; an algorithm that syncs its buckets in turn (OnebitDiLoCo's
+        ``fragments``) says which, from the step number alone (the same on every rank)."""
+        return True
 
     def _wire_dtype(self) -> torch.dtype | None:
         """The type the full-precision all-reduce sends in: ``reduce_dtype``, on several ranks (one
         rank sends nothing, so nothing is rounded)."""
         return self.reduce_dtype if self._backend.world_size > 1 else None
 
-    def _starts_early(self, plan: StepPlan) -> bool:
-        """Whether ``overlap_backward`` starts work for step of ``plan`` during backward."""
+    def _starts_early(self, plan: StepPlan, t: int) -> bool:
+        """Whether ``overlap_backward`` starts work for step ``t`` of ``plan`` during backward."""
         if plan.compress and plan.name not in self._STAGED_PLANS:
             return False
-        compressed, _, reduced = self._classify(plan)
+        compressed, _, reduced = self._classify(plan, t)
         return bool(compressed or reduced)
 
     def _prepare_compression(self, compressed: list[Bucket], t: int) -> None:
@@ -76,7 +86,7 @@ class Steps:
         are derived now); ``begin``: it begins during backward, and with it the step's statistics."""
         if begin:
             self._backend.begin_step(plan.name)
-        compressed, _, reduced = self._classify(plan)
+        compressed, _, reduced = self._classify(plan, t)
         check_double = bool(reduced) and self._backend.world_size > 1 and self._double_checks < self._DOUBLE_CHECKS
         if staged and compressed:
             self._prepare_compression(compressed, t)
@@ -94,7 +104,7 @@ class Steps:
         if self._round is None:
             t = self._step + 1
             plan = self.plan_for(t)
-            if not self._starts_early(plan):
+            if not self._starts_early(plan, t):
                 return False
             self._round = self._new_round(plan, t, staged=True, begin=True)
         self._start(self._round, self._overlap.order[position], staged=True)
@@ -105,7 +115,7 @@ class Steps:
         """Start what the round's plan sends for ``bucket`` (its ``grads``, read now if None): a
         full-precision all-reduce, or the compressed input and the worker stage (``staged``:
         without writing the state, after the server stage of the bucket staged before it)."""
-        compressed, _, reduced = self._classify(r.plan, [bucket])
+        compressed, _, reduced = self._classify(r.plan, r.t, [bucket])
         if reduced:
             if grads is None:
                 with self._timed("gather_grads"):
@@ -156,7 +166,7 @@ class Steps:
         :meth:`_exchange_flags`); else a round with nothing started yet."""
         if self._overlap is None or not overlap:
             return self._new_round(plan, t, staged=False)
-        if not self._starts_early(plan):
+        if not self._starts_early(plan, t):
             self._drain()
             return self._new_round(plan, t, staged=False)
         # (GradScaler sets found_inf at every step, and grad_scale unless unscale_() ran first: the
@@ -175,7 +185,7 @@ class Steps:
         self._round = None
         r.changed = r.gradients_changed(self._overlap.repeated)
         self._overlap.reset()
-        if self._classify(plan)[0]:
+        if self._classify(plan, t)[0]:
             return r
         flag = torch.tensor([float(r.changed)], device=self._device())
         self._backend.all_reduce_mean_(flag)
@@ -199,7 +209,7 @@ class Steps:
 
     def _run(self, plan: StepPlan, t: int, overlap: bool = True) -> bool:
         """Run step ``t`` over all buckets; return False when it was skipped for non-finite grads."""
-        compressed, averaged, reduced = self._classify(plan)
+        compressed, averaged, reduced = self._classify(plan, t)
         r = self._round_of(plan, t, overlap)
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
@@ -255,7 +265,8 @@ class Steps:
         counted = bool(compressed) or (not communicates and several and not alone)
         present = {id(b): self._present(b, plan) for b in self._buckets}
         if counted:
-            bad_ranks = self._exchange_flags(plan, t, r, grads, reduced, present, local_bad)
+            bad_ranks = self._exchange_flags(plan, t, r, grads, [b for b in self._buckets if b not in reduced and (
+                b in compressed or b in averaged)], present, local_bad)
         self._average(r, {id(b): g for b, g in zip(self._buckets, grads)}, reduced, present, t)
         if not counted:
             with self._timed("finite_check"):
@@ -275,12 +286,14 @@ class Steps:
         return None, absent
 
     def _exchange_flags(self, plan: StepPlan, t: int, r: Round, grads: list[list[torch.Tensor | None]],
-                        reduced: list[Bucket], present: dict[int, list[bool]], local_bad: bool) -> int:
+                        sent: list[Bucket], present: dict[int, list[bool]], local_bad: bool) -> int:
         """One small all-reduce: the finiteness flag, the last health check's error ratio (so that
         every rank agrees on it, and raises together), the count of gradients missing on each
         rank and, with ``overlap_backward``, whether this rank's gradients changed since backward
         read them (then :class:`_Redo`). Returns how many ranks have non-finite gradients;
-        ``present`` becomes, per bucket, whether each parameter has a gradient on some rank."""
+        ``present`` becomes, per bucket of ``sent`` (those the step communicates for, but not
+        through a full-precision all-reduce of this optimizer's), whether each parameter has a
+        gradient on some rank."""
         with self._timed("finite_check"):
             local_bad = local_bad or not all_finite(grads)
         ratio = self._health.error_ratio
@@ -289,7 +302,7 @@ class Steps:
         # communicates nothing for them, a rank leaves alone what it has no gradient for: no
         # count). Only when some rank lacks one do the ranks exchange which, in a second small
         # all-reduce: a step where every rank has every gradient sends 4 bytes more, no more.
-        flagged = [b for b in self._buckets if b not in reduced] if plan.average_gradients or plan.compress else []
+        flagged = sent if plan.average_gradients or plan.compress else []
         here = [float(has) for b in flagged for has in present[id(b)]]
         changed = [] if r.changed is None else [float(r.changed)]
         flag = torch.tensor([float(local_bad), 0.0 if ratio is None else ratio,
