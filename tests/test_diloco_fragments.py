@@ -56,8 +56,10 @@ def _backward(model: torch.nn.Module, rank: int, t: int) -> None:
 
 
 def _make(model: torch.nn.Module, backend: str = "gloo", **kwargs) -> OnebitDiLoCo:
+    """(One 1-bit pass with the classic error feedback, the scheme the simulation writes out.)"""
+    classic = {} if kwargs.get("compression") == "none" else {"error_feedback": "buffer", "outer_bits": 1}
     return OnebitDiLoCo(model.parameters(), **{"lr": LR, "sync_every": H, "outer_lr": 0.7, "outer_momentum": 0.9,
-                                               "comm_backend_name": backend, **kwargs})
+                                               "comm_backend_name": backend, **classic, **kwargs})
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -299,7 +301,6 @@ def _resumed_at(rank: int, directory: str, at: int) -> list[list[torch.Tensor]]:
         if t == at + 1:
             path = os.path.join(directory, f"at{at}.pt")
             save_checkpoint(path, opt, model=model, exact_resume=True)
-            torch.distributed.barrier()  # (rank 0 commits the manifest after the others return)
             model = _model(seed=5)
             opt = OnebitDiLoCo(model.parameters(), sync_every=7, fragments=2, comm_backend_name="gloo")
             load_checkpoint(path, opt, model=model, exact_resume=True)

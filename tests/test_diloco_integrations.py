@@ -44,6 +44,14 @@ H = 3
 STEPS = 7  # outer steps at 3 and 6, an inner step after the last
 LR = 1e-2
 OUTER = dict(outer_lr=0.7, outer_momentum=0.9)  # the Nesterov path (the plain average is outer_lr 1, momentum 0)
+# One 1-bit pass with the classic error feedback: the scheme the simulations below write out, and the
+# one whose parameters are bit-identical on every rank after an outer step (the defaults keep each
+# rank's residual in its parameters; the DCP tests run the defaults).
+CLASSIC = dict(error_feedback="buffer", outer_bits=1)
+
+
+def _classic(compression: str = "onebit") -> dict:
+    return CLASSIC if compression == "onebit" else {}
 FRAMEWORKS = {"lightning": "lightning", "accelerate": "accelerate", "hf_trainer": "transformers",
               "deepspeed": "deepspeed"}
 
@@ -58,7 +66,7 @@ def _batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _optimizer(params, **kwargs) -> OnebitDiLoCo:
-    return OnebitDiLoCo(params, lr=LR, sync_every=H, comm_backend_name="gloo", **{**OUTER, **kwargs})
+    return OnebitDiLoCo(params, lr=LR, sync_every=H, comm_backend_name="gloo", **{**OUTER, **CLASSIC, **kwargs})
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
@@ -372,11 +380,11 @@ def _hsdp_against_unsharded(mesh, compression: str) -> dict:
     model = _shard_model(mesh["shard"])
     start = _locals(model)
     opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, group=mesh["replicate"], compression=compression,
-                       **OUTER)
+                       **OUTER, **_classic(compression))
     whole = _mlp()
     out: dict = {"start": _flat(whole)}
     whole_opt = OnebitDiLoCo(whole.parameters(), lr=LR, sync_every=H, group=mesh["replicate"],
-                             compression=compression, **OUTER)
+                             compression=compression, **OUTER, **_classic(compression))
     out.update(identical=[], sharded=[], whole=[])
     grads = []
     for t in range(1, STEPS + 1):
@@ -393,7 +401,8 @@ def _hsdp_against_unsharded(mesh, compression: str) -> dict:
     # the oracle of the shards: the same optimizer over plain tensors holding this rank's initial
     # shards, over the same group, stepped with the shards' gradients
     plain = [torch.nn.Parameter(s.clone()) for s in start]
-    oracle = OnebitDiLoCo(plain, lr=LR, sync_every=H, group=mesh["replicate"], compression=compression, **OUTER)
+    oracle = OnebitDiLoCo(plain, lr=LR, sync_every=H, group=mesh["replicate"], compression=compression, **OUTER,
+                          **_classic(compression))
     for step_grads in grads:
         for p, g in zip(plain, step_grads):
             p.grad = g

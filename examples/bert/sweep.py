@@ -37,7 +37,9 @@ The runs:
   ``coeff_beta``, ``factor_*``);
 * ``diloco_h<H>`` (H in 4, 8, 16, 32, 64): ``OnebitDiLoCo``, ``configs/diloco_gloo.json`` (the
   demo's AdamW inside, a plain average outside: ``outer_lr`` 1, ``outer_momentum`` 0) with
-  ``sync_every`` H; ``diloco_h<H>_nesterov``: DiLoCo's published outer step (lr 0.7, Nesterov 0.9);
+  ``sync_every`` H and one 1-bit pass with the classic error feedback (``error_feedback``
+  "buffer", ``outer_bits`` 1); ``diloco_h<H>_bits2_model``: the defaults (two passes, the residual
+  in the model); ``diloco_h<H>_nesterov``: DiLoCo's published outer step (lr 0.7, Nesterov 0.9);
   ``*_none``: the same with ``compression="none"`` (the exact float32 mean); ``*_buffer`` /
   ``*_model``: with ``error_feedback`` "buffer" / "model"; ``*_bits2`` / ``*_bits3``: ``outer_bits`` 2 / 3
   (``*_bits2_model``: and ``error_feedback`` "model"); ``*_block<K>``: with one scale per K
@@ -92,12 +94,16 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         "zo_ds16": ({**zo_ds, "var_update_scaler": 16}, "demo_adam", "ZeroOneAdam"),
     }
     for h in (4, 8, 16, 32, 64):  # the local-step mode, against the demo's Adam
-        runs[f"diloco_h{h}"] = ({**DILOCO, "sync_every": h}, "demo_adam", "OneBitDiLoCo")
-        runs[f"diloco_h{h}_nesterov"] = ({**DILOCO, "sync_every": h, "outer_lr": 0.7, "outer_momentum": 0.9},
+        # (one 1-bit pass with the classic error feedback: what the table called OnebitDiLoCo before the
+        # defaults became two passes with the residual in the model, diloco_h<H>_bits2_model)
+        classic = {**DILOCO, "error_feedback": "buffer", "outer_bits": 1}
+        runs[f"diloco_h{h}"] = ({**classic, "sync_every": h}, "demo_adam", "OneBitDiLoCo")
+        runs[f"diloco_h{h}_nesterov"] = ({**classic, "sync_every": h, "outer_lr": 0.7, "outer_momentum": 0.9},
                                          "demo_adam", "OneBitDiLoCo")
         for name in (f"diloco_h{h}", f"diloco_h{h}_nesterov"):
             params, adam, kind = runs[name]
-            runs[f"{name}_none"] = ({**params, "compression": "none"}, adam, kind)
+            exact = {k: v for k, v in params.items() if k not in ("error_feedback", "outer_bits")}
+            runs[f"{name}_none"] = ({**exact, "compression": "none"}, adam, kind)
             runs[f"{name}_buffer"] = ({**params, "error_feedback": "buffer"}, adam, kind)
             runs[f"{name}_model"] = ({**params, "error_feedback": "model"}, adam, kind)
             runs[f"{name}_bits2"] = ({**params, "outer_bits": 2}, adam, kind)
