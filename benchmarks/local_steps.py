@@ -7,7 +7,8 @@ For each model and rate it builds a private network (``benchmarks/netns.py``), s
 namespace (``benchmarks/peers.py``) and times, interleaved in the same run, DDP + Adam and
 OnebitDiLoCo's two kinds of step: the inner step (an AdamW step, no communication at all: the loop
 without communication) and the outer step (the inner step, then the 1-bit all-reduce of the
-pseudo-gradient). A run with ``sync_every=H`` takes ``H - 1`` inner steps per outer step, so its
+pseudo-gradient: ``outer_bits`` passes, at the defaults). A run with ``sync_every=H`` takes ``H - 1``
+inner steps per outer step, so its
 average step is ``((H - 1) inner + outer) / H``; the table gives it for several H with
 
 - **utilisation** = inner / average: the share of the time spent computing, the rest the link;

@@ -85,3 +85,23 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def dcp_save(model, opt, path: str) -> None:
+    """``torch.distributed.checkpoint``: save the model's and the optimizer's state dicts to ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+
+def dcp_load(model, opt, path: str) -> None:
+    """``torch.distributed.checkpoint``: load ``path`` into ``model`` and ``opt`` (in place)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import LogMessages, tiny_mlp
-from distributed import run_ranks
+from distributed import dcp_load, dcp_save, run_ranks
 from onebit import OnebitDiLoCo
 from onebit.testing import simulate_compressed_allreduce
 
@@ -52,6 +52,8 @@ CLASSIC = dict(error_feedback="buffer", outer_bits=1)
 
 def _classic(compression: str = "onebit") -> dict:
     return CLASSIC if compression == "onebit" else {}
+
+
 FRAMEWORKS = {"lightning": "lightning", "accelerate": "accelerate", "hf_trainer": "transformers",
               "deepspeed": "deepspeed"}
 
@@ -415,26 +417,16 @@ def _hsdp_against_unsharded(mesh, compression: str) -> dict:
 
 
 def _dcp_save(model, opt, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     from onebit import save_compression_errors
 
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    dcp_save(model, opt, path)
     save_compression_errors(path, opt)
 
 
 def _dcp_load(model, opt, path: str) -> bool:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-
     from onebit import load_compression_errors
 
-    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
+    dcp_load(model, opt, path)
     return load_compression_errors(path, opt)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import LogMessages, tiny_mlp
-from distributed import run_ranks
+from distributed import dcp_load, dcp_save, run_ranks
 from onebit import (LocalBackend, OnebitAdam, OnebitLamb, ZeroOneAdam, load_compression_errors, save_checkpoint,
                     save_compression_errors)
 
@@ -405,22 +405,6 @@ def _layout(kind: str, rank: int):
     return model, OnebitAdam(model.parameters(), group=mesh["replicate"], **options)
 
 
-def _save(model, opt, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-
-
-def _load(model, opt, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
-
-
 def _checkpoint_leg(rank: int, world: int, load_from: str | None, layouts: list[str], directory: str) -> dict:
     """Load ``load_from`` (if any) into each layout in turn, compare with what was saved, train two
     steps, save; what each layout saved, as full tensors, is the next one's reference."""
@@ -438,7 +422,7 @@ def _checkpoint_leg(rank: int, world: int, load_from: str | None, layouts: list[
             result["fresh_step_after_get"] = opt.step_count
             _train(model, opt, rank, range(1, DCP_FREEZE + 3))
         else:
-            _load(model, opt, source)
+            dcp_load(model, opt, source)
             saved = torch.load(pathlib.Path(source) / "full.pt", weights_only=True)
             now = _full(model, opt)
             result["loaded"].append(all(torch.equal(a, b) for key in ("params", "exp_avg", "exp_avg_sq")
@@ -449,7 +433,7 @@ def _checkpoint_leg(rank: int, world: int, load_from: str | None, layouts: list[
             _train(model, opt, rank, range(start, start + 2))
         result["steps"].append(opt.step_count)
         source = f"{directory}/{kind}-{n}-{world}"
-        _save(model, opt, source)
+        dcp_save(model, opt, source)
         save_compression_errors(source, opt)
         full = _full(model, opt)
         if rank == 0:
@@ -457,7 +441,7 @@ def _checkpoint_leg(rank: int, world: int, load_from: str | None, layouts: list[
         dist.barrier()
         if load_from is None and n == 0:  # the same layout again: an exact resume, bit for bit
             again, again_opt = _layout(kind, rank)
-            _load(again, again_opt, source)
+            dcp_load(again, again_opt, source)
             result["exact_restored"] = load_compression_errors(source, again_opt)
             start = opt.step_count + 1
             _train(model, opt, rank, range(start, start + 2))
