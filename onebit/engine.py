@@ -635,7 +635,7 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_before_step()
+        _run_eagerly(self._check_before_step)
         if self._trainable() != self._trainable_at_build:
             self._drain()
             self._rebuild_buckets()
@@ -672,6 +672,13 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     def _kernels_for(self, bucket: Bucket) -> KernelSet:
         kernels = self._kernels[bucket.device]
         return timed_kernels(kernels, self._timed) if self._timed.callbacks else kernels
+
+
+def _run_eagerly(check: Callable[[], None]) -> None:
+    """Run ``check`` outside ``torch.compile``'s tracing: it reads and writes Python state (the
+    groups, the step order's registry). Traced inside a compiled ``step`` with ``overlap_backward``,
+    the round backward had begun was lost (the step's server stage found no worker stage)."""
+    torch.compiler.disable(check)()
 
 
 def optimizer_names() -> str:
