@@ -46,15 +46,49 @@
 #endif
 
 #if defined(__CUDA_ARCH__)
-// Device code: explicit round-to-nearest intrinsics, never contracted into FMAs or approximated.
-#define ONEBIT_FADD(a, b) __fadd_rn((a), (b))
-#define ONEBIT_FSUB(a, b) __fsub_rn((a), (b))
-#define ONEBIT_FDIV(a, b) __fdiv_rn((a), (b))
+// Device code: every float32 operation, and the conversions between float and double, as inline PTX
+// with an explicit rounding and without .ftz. CuPy appends -ftz=true to the options of every module it
+// compiles (after ours, so that flag wins); NVRTC then flushes subnormal inputs and results of the
+// float32 intrinsics (__fadd_rn included), of comparisons, negations and conversions to +-0. Inline
+// PTX is what the flag cannot change. Double operations never flush; no contraction into FMAs.
+__device__ __forceinline__ float onebit_fadd_rn(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float onebit_fsub_rn(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float onebit_fdiv_rn(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ double onebit_f2d(float a) {
+    double r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a));
+    return r;
+}
+__device__ __forceinline__ float onebit_d2f_rn(double a) {
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(a));
+    return r;
+}
+#define ONEBIT_FADD(a, b) onebit_fadd_rn((a), (b))
+#define ONEBIT_FSUB(a, b) onebit_fsub_rn((a), (b))
+#define ONEBIT_FDIV(a, b) onebit_fdiv_rn((a), (b))
+#define ONEBIT_FNEG(a) __uint_as_float(__float_as_uint(a) ^ 0x80000000u)
+// v < 0 on the bits: the sign bit set on a value that is neither +-0 nor NaN (subnormals count).
+#define ONEBIT_IS_NEGATIVE(v) \
+    ((__float_as_uint(v) >> 31) && (__float_as_uint(v) & 0x7fffffffu) - 1u < 0x7f800000u)
+#define ONEBIT_F2D(a) onebit_f2d(a)
 #define ONEBIT_DADD(a, b) __dadd_rn((a), (b))
 #define ONEBIT_DMUL(a, b) __dmul_rn((a), (b))
 #define ONEBIT_DDIV(a, b) __ddiv_rn((a), (b))
 #define ONEBIT_DSQRT(a) __dsqrt_rn(a)
-#define ONEBIT_D2F(a) __double2float_rn(a)
+#define ONEBIT_D2F(a) onebit_d2f_rn(a)
 #define ONEBIT_UNROLL _Pragma("unroll")
 #else
 // Host code (the test harness; build it with -ffp-contract=off): plain IEEE operations.
@@ -62,6 +96,9 @@
 #define ONEBIT_FADD(a, b) ((a) + (b))
 #define ONEBIT_FSUB(a, b) ((a) - (b))
 #define ONEBIT_FDIV(a, b) ((a) / (b))
+#define ONEBIT_FNEG(a) (-(a))
+#define ONEBIT_IS_NEGATIVE(v) ((v) < 0.0f)
+#define ONEBIT_F2D(a) static_cast<double>(a)
 #define ONEBIT_DADD(a, b) ((a) + (b))
 #define ONEBIT_DMUL(a, b) ((a) * (b))
 #define ONEBIT_DDIV(a, b) ((a) / (b))
@@ -81,9 +118,9 @@ typedef unsigned char onebit_u8;
 // ----------------------------------------------------------------------------------------------
 // Per-element logic.
 
-ONEBIT_HD int onebit_sign_bit(float v) { return !(v < 0.0f); }
+ONEBIT_HD int onebit_sign_bit(float v) { return !ONEBIT_IS_NEGATIVE(v); }
 
-ONEBIT_HD float onebit_error(float v, int bit, float s) { return ONEBIT_FSUB(v, bit ? s : -s); }
+ONEBIT_HD float onebit_error(float v, int bit, float s) { return ONEBIT_FSUB(v, bit ? s : ONEBIT_FNEG(s)); }
 
 ONEBIT_HD int onebit_bit_of(const onebit_u8* row, onebit_i64 i) { return (row[i >> 3] >> (7 - (int)(i & 7))) & 1; }
 
@@ -96,14 +133,14 @@ ONEBIT_HD float onebit_server_value(const onebit_u8* signs, onebit_i64 sign_stri
     float acc = 0.0f;
     for (onebit_i64 r = 0; r < nrows; ++r) {
         const float s = scales[r * scale_stride];
-        const float v = onebit_bit_of(signs + r * sign_stride, i) ? s : -s;
+        const float v = onebit_bit_of(signs + r * sign_stride, i) ? s : ONEBIT_FNEG(s);
         acc = r == 0 ? v : ONEBIT_FADD(acc, v);
     }
     return ONEBIT_FADD(ONEBIT_FDIV(acc, (float)nrows), e[i]);
 }
 
 ONEBIT_HD double onebit_square(float v) {
-    const double d = (double)v;
+    const double d = ONEBIT_F2D(v);
     return ONEBIT_DMUL(d, d);  // exact: a float's square fits in a double
 }
 
@@ -265,9 +302,9 @@ ONEBIT_HD void onebit_decode_body(onebit_i64 t, const onebit_u8* signs, onebit_i
     onebit_wire_position(bounds, nseg, nrows, t, &s, &j, &col);
     const int byte = signs[j * sign_stride + col];
     const int kept = keep ? keep[t] : 0xff;
-    const float scale = scales[j * nseg + s];
+    const float scale = scales[j * nseg + s], negative = ONEBIT_FNEG(scale);
     for (int k = 0; k < 8; ++k)
-        out[t * 8 + k] = ((kept >> (7 - k)) & 1) ? (((byte >> (7 - k)) & 1) ? scale : -scale) : 0.0f;
+        out[t * 8 + k] = ((kept >> (7 - k)) & 1) ? (((byte >> (7 - k)) & 1) ? scale : negative) : 0.0f;
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -841,6 +841,39 @@ def test_nvcc_compiles_the_kernels_without_warnings(arch, tmp_path):
         assert f".entry {name}(" in ptx
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+def test_device_code_never_flushes_subnormals_even_under_ftz(tmp_path):
+    """CuPy compiles every module with -ftz=true appended after onebit's options (seen on an H200 with
+    CuPy 14.2: negative subnormals packed as +1, negated subnormal scales decoded as -0.0). Built the
+    same way, the PTX must hold no flushing instruction: every float32 operation is inline PTX."""
+    cmd = [NVCC, "-arch=sm_90", "-ptx", *cuda_kernels.NVRTC_OPTIONS[1:], "-ftz=true", str(CU_FILE),
+           "-o", str(tmp_path / "k.ptx")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    flushing = [line.strip() for line in ptx.splitlines() if ".ftz" in line]
+    assert flushing == []
+    for op in ("add.rn.f32", "sub.rn.f32", "div.rn.f32", "cvt.f64.f32", "cvt.rn.f32.f64"):
+        assert op in ptx, op
+
+
+def test_subnormal_check_passes_the_kernel_bodies_and_catches_a_flush(implementations, monkeypatch):
+    """The load-time check of the CUDA kernels, run over the host build of the same bodies: it passes
+    them, and it refuses a codec that flushes subnormals to zero as -ftz=true code does."""
+    if GXX is None:
+        pytest.skip("no g++: cannot build the host harness of the CUDA kernels")
+    codec = cuda_kernels.CudaCodec(_host_launcher(_host_harness(implementations.tmp_dir)), "cpu")
+    cuda_kernels._check_subnormals(codec, torch.device("cpu"))
+
+    def flush(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(t.abs() < torch.finfo(torch.float32).tiny, t * 0.0, t)
+
+    worker = codec.worker_compress_
+    monkeypatch.setattr(codec, "worker_compress_", lambda x, error, packed, **kw: worker(flush(x), error, packed, **kw))
+    with pytest.raises(RuntimeError, match="flush to zero.*ONEBIT_KERNELS=reference"):
+        cuda_kernels._check_subnormals(codec, torch.device("cpu"))
+
+
 def test_pyproject_lists_every_subpackage():
     """Packages are listed by hand in pyproject.toml (to map kernels/); none may be forgotten."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]

@@ -28,6 +28,7 @@ tests run it on the CPU over the same kernel bodies compiled for the host (see t
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -55,8 +56,10 @@ KERNEL_NAMES = (
 )
 TREE_GROUP = 32
 THREADS_PER_BLOCK = 256
-# -fmad=false: no contraction anywhere (the kernels also use explicit _rn intrinsics); division and
-# square root stay IEEE (NVRTC's defaults -prec-div=true, -prec-sqrt=true), no flush to zero.
+# -fmad=false: no contraction anywhere; division and square root stay IEEE (NVRTC's defaults
+# -prec-div=true, -prec-sqrt=true). CuPy appends -ftz=true to every module's options after these, so
+# -ftz=false does not hold: the kernels write their float32 operations as inline PTX without .ftz (see
+# the .cu file), and load() checks on the device that subnormals survive.
 NVRTC_OPTIONS = ("--std=c++14", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", "-ftz=false")
 INSTALL_HINT = 'pip install "onebit[cuda12]" (CUDA 12) or pip install "onebit[cuda13]" (CUDA 13)'
 
@@ -296,9 +299,39 @@ def load() -> CudaCodec:
                 module.get_function(name)
     except Exception as exc:  # CuPy's compile and driver errors do not share a base class
         raise RuntimeError(f"compiling {SOURCE_NAME} with CuPy failed: {exc}") from exc
-    _CODEC = CudaCodec(_CupyLauncher(cupy, module))
+    codec = CudaCodec(_CupyLauncher(cupy, module))
+    _check_subnormals(codec, torch.device("cuda", torch.cuda.current_device()))
+    _CODEC = codec
     logger.debug("onebit: CUDA kernels compiled")
     return _CODEC
+
+
+def _check_subnormals(codec: CudaCodec, device: torch.device) -> None:
+    """Run the worker and the decode on values a flush to zero would change, against the reference.
+
+    A compiler flag that flushes subnormals (CuPy adds -ftz=true) turns the sign of a negative
+    subnormal into +1 and a negated subnormal scale into -0.0: the kernels would no longer equal the
+    reference, silently. One launch of each at load time says so instead."""
+    from . import reference
+
+    x = torch.tensor([-1e-40, 1e-40, -0.0, 0.0, -3e-39, 2.0, -1.0, 1e-45] * 2, dtype=torch.float32)
+    error = torch.tensor([0.0, -2e-40, 0.0, -0.0, 1e-39, 0.0, 0.0, -2e-45] * 2, dtype=torch.float32)
+    scales = torch.tensor([2.5e-39], dtype=torch.float32)
+    exp_error, exp_packed = error.clone(), torch.zeros(1, 2, dtype=torch.uint8)
+    exp_scale = reference.worker_compress_(x, exp_error, exp_packed)
+    exp_out = reference.decode_(exp_packed, scales, torch.empty(16))
+    got_error, got_packed = error.to(device), torch.zeros(1, 2, dtype=torch.uint8, device=device)
+    got_scale = codec.worker_compress_(x.to(device), got_error, got_packed)
+    got_out = codec.decode_(got_packed, scales.to(device), torch.empty(16, device=device))
+    got = [t.cpu().view(torch.int32) if t.dtype == torch.float32 else t.cpu()
+           for t in (got_scale, got_error, got_packed, got_out)]
+    expected = [t.view(torch.int32) if t.dtype == torch.float32 else t
+                for t in (exp_scale, exp_error, exp_packed, exp_out)]
+    if not all(torch.equal(a, b) for a, b in zip(got, expected)):
+        raise RuntimeError(
+            f"the onebit CUDA kernels compiled by CuPy {getattr(sys.modules.get('cupy'), '__version__', '?')} "
+            "do not keep subnormal floats (flush to zero): they would differ from the reference; "
+            "set ONEBIT_KERNELS=reference (or kernels='reference') and report this")
 
 
 register("cuda", lambda: load().kernel_set(), native_for="cuda")
