@@ -63,8 +63,9 @@ class Bucket:
 
     def __init__(self, group_index: int, params: list[torch.Tensor], world_size: int, compress: bool,
                  scale_block_size: int | None, buffers: Sequence[str], scalars: Mapping[str, float],
-                 topology: Topology | None = None) -> None:
+                 topology: Topology | None = None, homes: Mapping[str, str] | None = None) -> None:
         self.group_index = group_index
+        self.homes = dict(homes or {})  # buffer name -> "host" for one kept in host memory (see add_buffer)
         self.owners = params
         self.sharded = any(is_dtensor(p) for p in params)
         self.params = [local(p) for p in params] if self.sharded else params
@@ -144,10 +145,17 @@ class Bucket:
         return Held(self, [(target, target.clone()) for target in targets])
 
     def add_buffer(self, name: str) -> None:
-        """Allocate the per-element state buffer ``name`` (zeros) and its views, if absent."""
+        """Allocate the per-element state buffer ``name`` (zeros) and its views, if absent: on the
+        bucket's device, or where :attr:`homes` says ``"host"``, in host memory (pinned when the
+        bucket is on a GPU, so that copies to and from it are DMA transfers)."""
         if name not in self.buffers:
-            self.buffers[name] = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
-            self.views[name] = self.view(self.buffers[name])
+            if self.homes.get(name) == "host":
+                pin = self.device.type == "cuda"
+                buffer = torch.zeros(self.padded, dtype=torch.float32, device="cpu", pin_memory=pin)
+            else:
+                buffer = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+            self.buffers[name] = buffer
+            self.views[name] = self.view(buffer)
 
     def drop_buffer(self, name: str) -> None:
         """Free the state buffer ``name``, if present."""

@@ -30,6 +30,9 @@ OUTER = StepPlan("outer", compress=True)  # the inner step, then the 1-bit avera
 COMPRESSIONS = ("onebit", "none")
 #: where the part of the pseudo-gradient that one bit did not carry waits for the next outer step
 ERROR_FEEDBACK = ("buffer", "model")
+#: where the global parameters and the outer momentum live
+OUTER_STATE = ("device", "host")
+OUTER_BUFFERS = ("global_params", "outer_momentum_buffer")
 
 
 def _check_outer(sync_every: Any, outer_lr: Any, outer_momentum: Any, saved: bool = False) -> None:
@@ -168,6 +171,14 @@ class OnebitDiLoCo(OnebitOptimizer):
             is averaged at a time: the bytes of a round are the same, the largest step sends about
             ``1 / P`` of them. An int in ``[1, H]``; :meth:`fragment_of` says a parameter's fragment,
             and ``comm_stats()["outer"]["fragments"]`` the elements, outer steps and bytes of each.
+        outer_state: where the global parameters and the outer momentum live: ``"device"``
+            (default: with the parameters) or ``"host"`` (in host memory, pinned when the
+            parameters are on a GPU, as torchft's DiLoCo keeps them): the GPU then holds 4 bytes
+            per parameter less (8 with ``outer_momentum > 0``), and each outer step copies the
+            global parameters to the device and the averaged pseudo-gradient to the host (the
+            outer update runs on the CPU). The same numbers either way (bit for bit at the default
+            ``outer_momentum=0``). Not with sharded (DTensor) parameters, whose state must be
+            DTensors on their mesh.
         bias_correction: the inner AdamW's bias correction (on by default, as in torch).
         **options: the keyword-only options of every onebit optimizer (transport, group, masks,
             buckets, scale blocks, non-finite gradients, divergence, kernels): see
@@ -214,6 +225,7 @@ class OnebitDiLoCo(OnebitOptimizer):
         error_feedback: str | None = None,
         outer_bits: int | None = None,
         fragments: int = 1,
+        outer_state: str = "device",
         bias_correction: bool = True,
         **options: Any,
     ) -> None:
@@ -235,6 +247,8 @@ class OnebitDiLoCo(OnebitOptimizer):
                                  f"nothing, and its outer step is one compressed all-reduce; leave {name} unset")
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.fragments = fragments
+        check_choice("outer_state", outer_state, OUTER_STATE)
+        self.outer_state = outer_state
         self._fragment_of: dict[int, int] | None = None  # id(bucket) -> its fragment (see _fragment_map)
         self._fragment_counts: dict[int, list[int]] = {}  # fragment -> [outer steps, bytes sent] (comm_stats)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
@@ -258,6 +272,10 @@ class OnebitDiLoCo(OnebitOptimizer):
         for bucket in self._buckets:
             if bucket.group_index != index:
                 continue
+            if bucket.sharded and self.outer_state == "host":
+                raise ValueError("OnebitDiLoCo(outer_state='host') does not take sharded (DTensor) parameters: their "
+                                 "state must be DTensors on the parameters' mesh; pass outer_state='device' (sharding "
+                                 "already divides the global parameters' memory by the shard count)")
             for view, p in zip(bucket.views["global_params"], bucket.params):
                 view.copy_(p.detach())
             if self.outer_momentum > 0 and "outer_momentum_buffer" not in bucket.buffers:
@@ -273,6 +291,9 @@ class OnebitDiLoCo(OnebitOptimizer):
         if group.get("compress") is False:
             raise ValueError("OnebitDiLoCo: compress=False in a param group is not supported: every parameter "
                              "takes part in the outer step; remove the key")
+
+    def _homes(self) -> dict[str, str]:
+        return {name: "host" for name in OUTER_BUFFERS} if self.outer_state == "host" else {}
 
     def _bucket_cap(self) -> int:
         """With ``fragments=P > 1``, buckets of at most ``ceil(total / P)`` elements (``total``: the
@@ -422,7 +443,10 @@ class OnebitDiLoCo(OnebitOptimizer):
         self._update_local(bucket, grads, group, t)
         delta = bucket.scratch("delta")
         for view, theta, p in zip(bucket.view(delta), bucket.views["global_params"], bucket.params):
-            torch.sub(theta, p, out=view)
+            if self.outer_state == "host":  # (the global parameters to the device, then one subtraction there)
+                view.copy_(theta).sub_(p)
+            else:
+                torch.sub(theta, p, out=view)
         return delta
 
     def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
@@ -432,6 +456,8 @@ class OnebitDiLoCo(OnebitOptimizer):
         if self.compression == "onebit":
             self._more_passes(bucket, delta)
         theta = bucket.buffers["global_params"]
+        if self.outer_state == "host":  # (the outer update runs where the global parameters live)
+            delta = delta.to(theta.device)
         mu = self.outer_momentum
         if mu > 0:
             self._before_update(bucket, t)
@@ -484,7 +510,7 @@ class OnebitDiLoCo(OnebitOptimizer):
         if bucket.mask is not None:
             residual.mul_(bucket.mask)
         for p, theta, r in zip(bucket.params, bucket.views["global_params"], bucket.view(residual)):
-            p.copy_(torch.sub(theta, r))
+            p.copy_(torch.sub(theta.to(r.device, non_blocking=True), r))  # (host: theta to the device first)
         residual.zero_()
 
     def _adopt(self, bucket: Bucket, index: int, newcomers: list[int]) -> None:

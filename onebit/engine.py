@@ -423,13 +423,18 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         group = self.param_groups[index]
         for params in split_into_buckets(group["params"], self._bucket_cap()):
             bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
-                            self.STATE.eager, self.STATE.scalars, topology=self._topology)
+                            self.STATE.eager, self.STATE.scalars, topology=self._topology, homes=self._homes())
             for i, p in enumerate(bucket.owners):
                 self.state[p] = {**{name: views[i] for name, views in bucket.views.items()},
                                  **{name: values[i] for name, values in bucket.scalars.items()}}
             if bucket.device not in self._kernels:
                 self._kernels[bucket.device] = get_kernels(bucket.device, self._kernel_choice)
             self._buckets.append(bucket)
+
+    def _homes(self) -> dict[str, str]:
+        """State buffers an algorithm keeps in host memory (``{name: "host"}``); the others live on
+        their parameters' device."""
+        return {}
 
     def _bucket_cap(self) -> int:
         """The most elements a new bucket holds: ``bucket_size`` (an algorithm may bucket more finely)."""

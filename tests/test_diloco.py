@@ -276,11 +276,55 @@ def test_simulation_can_fail():
     (dict(outer_bits=1.5), ValueError, r"outer_bits must be an int from 1 to 8 .*got 1.5"),
     (dict(compression="none", outer_bits=2), ValueError, r"averages exactly: it has no residual.*leave them"),
     (dict(compression="none", error_feedback="model"), ValueError, r"averages exactly: it has no residual"),
+    (dict(outer_state="cpu"), ValueError, r"invalid outer_state: 'cpu'; expected one of 'device', 'host'"),
     (dict(freeze_step=10), TypeError, r"does not take freeze_step=10: OnebitDiLoCo has no full-precision warmup"),
 ])
 def test_bad_input_is_refused(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         OnebitDiLoCo(_model().parameters(), comm_backend_name="local", **kwargs)
+
+
+def _outer_state_rank(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    runs = {}
+    for feedback in ("model", "buffer"):
+        for outer_state in ("device", "host"):
+            model = _model()
+            opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_lr=0.7, outer_momentum=0.9,
+                               error_feedback=feedback, outer_state=outer_state, comm_backend_name="gloo")
+            for t in range(1, STEPS + 1):
+                opt.zero_grad(set_to_none=True)
+                _backward(model, rank, t)
+                opt.step()
+            runs[feedback, outer_state] = ([p.detach().clone() for p in model.parameters()],
+                                           {k: v.clone() for k, v in opt.state_dict()["state"][0].items()
+                                            if isinstance(v, torch.Tensor)})
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 8), mesh, [Replicate()]))
+    try:
+        OnebitDiLoCo([shard], outer_state="host", comm_backend_name="gloo")
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"runs": runs, "refused": refused}
+
+
+def test_outer_state_on_the_host_takes_the_same_steps(tmp_path):
+    """outer_state='host' computes the pseudo-gradient and the parameters from the global ones
+    by copies and one subtraction on the device: on the CPU the same bits as 'device', with
+    outer momentum and either error feedback, over 2 gloo ranks and several outer steps (on a GPU
+    tests/test_cuda.py checks the copies across devices and the memory). Sharded (DTensor)
+    parameters are refused with the fix."""
+    for result in run_ranks(_outer_state_rank, 2, tmp_path):
+        for feedback in ("model", "buffer"):
+            (params_d, state_d), (params_h, state_h) = result["runs"][feedback, "device"], result["runs"][feedback, "host"]
+            assert all(torch.equal(a, b) for a, b in zip(params_d, params_h)), feedback
+            assert state_d.keys() == state_h.keys() and "outer_momentum_buffer" in state_h
+            assert all(torch.equal(state_d[k], state_h[k]) for k in state_d), feedback
+        assert "outer_state='host') does not take sharded (DTensor) parameters" in result["refused"]
+        assert "pass outer_state='device'" in result["refused"]
 
 
 def test_state_dict_round_trip_continues_bit_for_bit():
