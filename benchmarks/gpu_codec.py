@@ -9,13 +9,14 @@ Timed with CUDA events, the median of ``--repeats`` runs after a warm one:
   (``worker_compress_`` of N floats), ``server`` (``server_compress_`` of an N-float chunk from 2
   ranks), ``decode`` (2 rows into N floats), over one segment; the ``cuda`` kernels also over a
   table of 1,000 segments (a bucket of many tensors); next to ``copy`` and ``mul`` of N floats,
-  the cost of one extra pass (what the CUDA kernels leave to the caller: ``error_out=`` is a copy,
-  ``multiplier=`` a multiply, ``limit=`` a clamp);
+  the cost of one extra pass (what a caller pays for a kernel set without the keywords:
+  ``error_out=`` is a copy, ``multiplier=`` a multiply, ``limit=`` a clamp; the CUDA kernels take
+  all three in their own passes);
 * on a single-rank process group (NCCL; gloo if NCCL does not start), one tensor of ``--params``
   floats (100M) in one bucket: a compression-phase ``OnebitAdam.step()`` with the ``cuda``
-  kernels (default options: ``compression_space='preconditioned'`` and ``update_bound='auto'``
-  add a multiply and a clamp pass each way; and with ``compression_space='momentum'``,
-  ``update_bound=None``, which add none), with the ``reference`` kernels, against an fp32
+  kernels (default options: ``compression_space='preconditioned'`` and ``update_bound='auto'``,
+  whose multiply and clamp the kernels do as they read and write; and with
+  ``compression_space='momentum'``, ``update_bound=None``, which need neither), with the ``reference`` kernels, against an fp32
   ``all_reduce`` of the gradient + ``torch.optim.Adam.step()`` (foreach, and fused). One rank
   sends nothing over a network: this is what compression costs on the GPU beside Adam's own step,
   not what it saves on the wire;

@@ -3,9 +3,16 @@
 // Loaded at run time by onebit/kernels/cuda.py (CuPy RawModule, NVRTC) and launched on torch's
 // current stream. They equal onebit.kernels.reference bit for bit:
 //
+// * worker value: v = x + e; with a multiplier m (not null), v = clamp(x * m, -limit, limit) + e: a
+//   float32 multiply and a float32 add, each rounded once; the clamp rounds nothing (what torch's
+//   clamp gives: -0.0 and subnormals inside the range stay, +-inf go to +-limit, NaN stays NaN);
+//   limit = +inf (the caller's "no limit") clamps nothing;
 // * sign: bit set (q = +1) where !(v < 0): 0, -0.0 and NaN give +1; 8 elements per byte, the
 //   first element in the most significant bit;
-// * error: e <- v - (q ? s : -s), one float32 subtraction;
+// * error: e <- v - (q ? s : -s), one float32 subtraction, written to e_out where it is not null
+//   (e then left as it is), else to e in place;
+// * decode: q s, times m (one float32 multiply) where a multiplier is given, then +0.0 where the
+//   keep bit is clear;
 // * server: acc = q_0 s_0; acc += q_i s_i for i = 1..n-1 in rank order; c = acc / n + e, each a
 //   single IEEE float32 operation (explicit _rn intrinsics, so no contraction or fast division);
 // * scale: the blocked float64 sum of onebit/kernels/blocked.py, whose order is fixed: lane l of
@@ -35,7 +42,8 @@
 // no shared memory, shuffles or atomics) plus a one-line __global__ wrapper. Compiled as plain
 // C++ (g++ -x c++, no __CUDACC__), this file instead defines host launchers host_<kernel>(nthreads,
 // args...) that run the same bodies in a loop, which is how the tests check the logic on machines
-// without a GPU. Integer parameters are all long long, pointers are passed as 64-bit values.
+// without a GPU. Integer parameters are all long long, pointers are passed as 64-bit values; the
+// worker's limit is passed as the bits of its float32 value in a long long.
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define ONEBIT_DEVICE_BUILD 1
@@ -61,6 +69,11 @@ __device__ __forceinline__ float onebit_fsub_rn(float a, float b) {
     asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
+__device__ __forceinline__ float onebit_fmul_rn(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
 __device__ __forceinline__ float onebit_fdiv_rn(float a, float b) {
     float r;
     asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -78,7 +91,10 @@ __device__ __forceinline__ float onebit_d2f_rn(double a) {
 }
 #define ONEBIT_FADD(a, b) onebit_fadd_rn((a), (b))
 #define ONEBIT_FSUB(a, b) onebit_fsub_rn((a), (b))
+#define ONEBIT_FMUL(a, b) onebit_fmul_rn((a), (b))
 #define ONEBIT_FDIV(a, b) onebit_fdiv_rn((a), (b))
+#define ONEBIT_F2U(a) __float_as_uint(a)
+#define ONEBIT_U2F(a) __uint_as_float(a)
 #define ONEBIT_FNEG(a) __uint_as_float(__float_as_uint(a) ^ 0x80000000u)
 // v < 0 on the bits: the sign bit set on a value that is neither +-0 nor NaN (subnormals count).
 #define ONEBIT_IS_NEGATIVE(v) \
@@ -93,8 +109,22 @@ __device__ __forceinline__ float onebit_d2f_rn(double a) {
 #else
 // Host code (the test harness; build it with -ffp-contract=off): plain IEEE operations.
 #include <cmath>
+#include <cstring>
+inline unsigned onebit_f2u(float a) {
+    unsigned u;
+    std::memcpy(&u, &a, sizeof u);
+    return u;
+}
+inline float onebit_u2f(unsigned u) {
+    float a;
+    std::memcpy(&a, &u, sizeof a);
+    return a;
+}
+#define ONEBIT_F2U(a) onebit_f2u(a)
+#define ONEBIT_U2F(a) onebit_u2f(a)
 #define ONEBIT_FADD(a, b) ((a) + (b))
 #define ONEBIT_FSUB(a, b) ((a) - (b))
+#define ONEBIT_FMUL(a, b) ((a) * (b))
 #define ONEBIT_FDIV(a, b) ((a) / (b))
 #define ONEBIT_FNEG(a) (-(a))
 #define ONEBIT_IS_NEGATIVE(v) ((v) < 0.0f)
@@ -124,7 +154,20 @@ ONEBIT_HD float onebit_error(float v, int bit, float s) { return ONEBIT_FSUB(v, 
 
 ONEBIT_HD int onebit_bit_of(const onebit_u8* row, onebit_i64 i) { return (row[i >> 3] >> (7 - (int)(i & 7))) & 1; }
 
-ONEBIT_HD float onebit_worker_value(const float* x, const float* e, onebit_i64 i) { return ONEBIT_FADD(x[i], e[i]); }
+// clamp(p, -limit, limit) on the bits, for limit_bits the bits of a float32 limit > 0 (+inf: no
+// clamp): a magnitude above the limit's that is not NaN's (NaN's magnitude bits exceed +inf's) gives
+// the limit with p's sign, anything else is p itself (-0.0, subnormals within the limit and NaN
+// included), which is torch's clamp. Integer comparisons: nothing to flush, the same on the host.
+ONEBIT_HD float onebit_clamp(float p, unsigned limit_bits) {
+    const unsigned u = ONEBIT_F2U(p), magnitude = u & 0x7fffffffu;
+    return magnitude > limit_bits && magnitude <= 0x7f800000u ? ONEBIT_U2F((u & 0x80000000u) | limit_bits) : p;
+}
+
+// v = x + e, or v = clamp(x * m, -limit, limit) + e where m is not null (limit ignored without m).
+ONEBIT_HD float onebit_worker_value(const float* x, const float* m, unsigned limit_bits, const float* e,
+                                    onebit_i64 i) {
+    return ONEBIT_FADD(m ? onebit_clamp(ONEBIT_FMUL(x[i], m[i]), limit_bits) : x[i], e[i]);
+}
 
 // c = (sum_r q_r s_r) / nrows + e, in rank order; rank r's scale is scales[r * scale_stride] (the
 // caller points scales at its segment's column of the (nrows, k) table and passes k).
@@ -183,16 +226,18 @@ ONEBIT_HD void onebit_wire_position(const onebit_i64* bounds, onebit_i64 nseg, o
 // Kernel bodies: t is the global thread index; each returns at once when t is out of range.
 
 // Thread t = 32b + l computes lane l of block b of the block table (start, end, segment) of the
-// blocked sum of squares of v = x + e: sum of v[start + 32j + l]^2 over j = 0..31, below end.
-ONEBIT_HD void onebit_worker_sumsq_body(onebit_i64 t, const float* x, const float* e, const onebit_i64* blocks,
-                                        onebit_i64 nblocks, double* lanes) {
+// blocked sum of squares of the worker value v (x + e, or with m and limit: see
+// onebit_worker_value): sum of v[start + 32j + l]^2 over j = 0..31, below end.
+ONEBIT_HD void onebit_worker_sumsq_body(onebit_i64 t, const float* x, const float* m, onebit_i64 limit,
+                                        const float* e, const onebit_i64* blocks, onebit_i64 nblocks,
+                                        double* lanes) {
     if (t >= nblocks * ONEBIT_LANES) return;
     const onebit_i64* block = blocks + 3 * (t / ONEBIT_LANES);
     const onebit_i64 first = block[0] + t % ONEBIT_LANES, end = block[1];
     double acc = 0.0;
     for (int j = 0; j < ONEBIT_STEPS; ++j) {
         const onebit_i64 i = first + (onebit_i64)j * ONEBIT_LANES;
-        if (i < end) acc = ONEBIT_DADD(acc, onebit_square(onebit_worker_value(x, e, i)));
+        if (i < end) acc = ONEBIT_DADD(acc, onebit_square(onebit_worker_value(x, m, (unsigned)limit, e, i)));
     }
     lanes[t] = acc;
 }
@@ -245,25 +290,27 @@ ONEBIT_HD void onebit_tree_sum_body(onebit_i64 t, const double* in, const onebit
     if (scales != 0) scales[t] = onebit_scale_from_sumsq(v[0], counts[t]);
 }
 
-// Thread t packs elements 8t .. 8t+7 of x + e (M = 8 * nbytes elements cut by bounds, nrows wire
-// rows of nbytes / nrows bytes) into their wire byte, row j column col, at
-// packed + (lin / row_len) * row_stride + lin % row_len with lin = j * (nbytes / nrows) + col, and
-// writes their errors with the scale of their segment.
-ONEBIT_HD void onebit_worker_pack_body(onebit_i64 t, const float* x, float* e, onebit_i64 nbytes,
-                                       const onebit_i64* bounds, onebit_i64 nseg, onebit_i64 nrows,
-                                       const float* scales, onebit_u8* packed, onebit_i64 row_len,
-                                       onebit_i64 row_stride) {
+// Thread t packs elements 8t .. 8t+7 of the worker value v (the same as the sum of squares read;
+// M = 8 * nbytes elements cut by bounds, nrows wire rows of nbytes / nrows bytes) into their wire
+// byte, row j column col, at packed + (lin / row_len) * row_stride + lin % row_len with
+// lin = j * (nbytes / nrows) + col, and writes their errors with the scale of their segment to e_out
+// (null: to e in place).
+ONEBIT_HD void onebit_worker_pack_body(onebit_i64 t, const float* x, const float* m, onebit_i64 limit, float* e,
+                                       float* e_out, onebit_i64 nbytes, const onebit_i64* bounds, onebit_i64 nseg,
+                                       onebit_i64 nrows, const float* scales, onebit_u8* packed,
+                                       onebit_i64 row_len, onebit_i64 row_stride) {
     if (t >= nbytes) return;
     onebit_i64 s, j, col;
     onebit_wire_position(bounds, nseg, nrows, t, &s, &j, &col);
     const float scale = scales[s];
+    float* target = e_out ? e_out : e;
     int byte = 0;
     for (int k = 0; k < 8; ++k) {
         const onebit_i64 i = t * 8 + k;
-        const float v = onebit_worker_value(x, e, i);
+        const float v = onebit_worker_value(x, m, (unsigned)limit, e, i);
         const int bit = onebit_sign_bit(v);
         byte = (byte << 1) | bit;
-        e[i] = onebit_error(v, bit, scale);
+        target[i] = onebit_error(v, bit, scale);
     }
     const onebit_i64 lin = j * (nbytes / nrows) + col;
     packed[(lin / row_len) * row_stride + lin % row_len] = (onebit_u8)byte;
@@ -271,40 +318,46 @@ ONEBIT_HD void onebit_worker_pack_body(onebit_i64 t, const float* x, float* e, o
 
 // Thread t computes c for elements 8t .. 8t+7 of the server's chunk (cut by the server's bounds;
 // scales the (nrows, nseg) ranks' scales, server_scales the k scales of c), packs sign(c) into
-// byte t (the same position as in the signs rows) and writes the errors.
+// byte t (the same position as in the signs rows) and writes the errors to e_out (null: to e in place).
 ONEBIT_HD void onebit_server_pack_body(onebit_i64 t, const onebit_u8* signs, onebit_i64 sign_stride,
-                                       const float* scales, onebit_i64 nrows, float* e, onebit_i64 nbytes,
+                                       const float* scales, onebit_i64 nrows, float* e, float* e_out,
+                                       onebit_i64 nbytes,
                                        const onebit_i64* bounds, onebit_i64 nseg, const float* server_scales,
                                        onebit_u8* packed, onebit_i64 row_len, onebit_i64 row_stride) {
     if (t >= nbytes) return;
     const onebit_i64 seg = onebit_segment_of(bounds, nseg, t * 8);
     const float s = server_scales[seg];
     const float* column = scales + seg;
+    float* target = e_out ? e_out : e;
     int byte = 0;
     for (int k = 0; k < 8; ++k) {
         const onebit_i64 i = t * 8 + k;
         const float v = onebit_server_value(signs, sign_stride, column, nseg, nrows, e, i);
         const int bit = onebit_sign_bit(v);
         byte = (byte << 1) | bit;
-        e[i] = onebit_error(v, bit, s);
+        target[i] = onebit_error(v, bit, s);
     }
     packed[(t / row_len) * row_stride + t % row_len] = (onebit_u8)byte;
 }
 
 // Thread t decodes out[8t .. 8t+7] (M = 8 * nbytes elements cut by bounds): the wire byte of row j
 // (rows sign_stride apart) and column col that holds them, times scales[j * nseg + s] of server j
-// for segment s; where bit (7 - k) of keep[t] is clear (keep not null), out is +0.0 instead.
+// for segment s, times m[8t + k] (one float32 multiply) where m is not null; where bit (7 - k) of
+// keep[t] is clear (keep not null), out is +0.0 instead (whatever the product: 0 * inf is NaN).
 ONEBIT_HD void onebit_decode_body(onebit_i64 t, const onebit_u8* signs, onebit_i64 sign_stride, const float* scales,
                                   onebit_i64 nrows, const onebit_i64* bounds, onebit_i64 nseg, const onebit_u8* keep,
-                                  onebit_i64 nbytes, float* out) {
+                                  const float* m, onebit_i64 nbytes, float* out) {
     if (t >= nbytes) return;
     onebit_i64 s, j, col;
     onebit_wire_position(bounds, nseg, nrows, t, &s, &j, &col);
     const int byte = signs[j * sign_stride + col];
     const int kept = keep ? keep[t] : 0xff;
     const float scale = scales[j * nseg + s], negative = ONEBIT_FNEG(scale);
-    for (int k = 0; k < 8; ++k)
-        out[t * 8 + k] = ((kept >> (7 - k)) & 1) ? (((byte >> (7 - k)) & 1) ? scale : negative) : 0.0f;
+    for (int k = 0; k < 8; ++k) {
+        const onebit_i64 i = t * 8 + k;
+        const float q = ((byte >> (7 - k)) & 1) ? scale : negative;
+        out[i] = ((kept >> (7 - k)) & 1) ? (m ? ONEBIT_FMUL(q, m[i]) : q) : 0.0f;
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -325,8 +378,9 @@ ONEBIT_HD void onebit_decode_body(onebit_i64 t, const onebit_u8* signs, onebit_i
 #endif
 
 ONEBIT_KERNEL(onebit_worker_sumsq,
-              (const float* x, const float* e, const onebit_i64* blocks, onebit_i64 nblocks, double* lanes),
-              (x, e, blocks, nblocks, lanes))
+              (const float* x, const float* m, onebit_i64 limit, const float* e, const onebit_i64* blocks,
+               onebit_i64 nblocks, double* lanes),
+              (x, m, limit, e, blocks, nblocks, lanes))
 ONEBIT_KERNEL(onebit_server_sumsq,
               (const onebit_u8* signs, onebit_i64 sign_stride, const float* scales, onebit_i64 nrows, onebit_i64 nseg,
                const float* e, const onebit_i64* blocks, onebit_i64 nblocks, double* lanes),
@@ -336,15 +390,18 @@ ONEBIT_KERNEL(onebit_tree_sum,
                float* scales),
               (in, groups, ngroups, out, counts, scales))
 ONEBIT_KERNEL(onebit_worker_pack,
-              (const float* x, float* e, onebit_i64 nbytes, const onebit_i64* bounds, onebit_i64 nseg, onebit_i64 nrows,
-               const float* scales, onebit_u8* packed, onebit_i64 row_len, onebit_i64 row_stride),
-              (x, e, nbytes, bounds, nseg, nrows, scales, packed, row_len, row_stride))
+              (const float* x, const float* m, onebit_i64 limit, float* e, float* e_out, onebit_i64 nbytes,
+               const onebit_i64* bounds, onebit_i64 nseg, onebit_i64 nrows, const float* scales, onebit_u8* packed,
+               onebit_i64 row_len, onebit_i64 row_stride),
+              (x, m, limit, e, e_out, nbytes, bounds, nseg, nrows, scales, packed, row_len, row_stride))
 ONEBIT_KERNEL(onebit_server_pack,
               (const onebit_u8* signs, onebit_i64 sign_stride, const float* scales, onebit_i64 nrows, float* e,
-               onebit_i64 nbytes, const onebit_i64* bounds, onebit_i64 nseg, const float* server_scales,
+               float* e_out, onebit_i64 nbytes, const onebit_i64* bounds, onebit_i64 nseg, const float* server_scales,
                onebit_u8* packed, onebit_i64 row_len, onebit_i64 row_stride),
-              (signs, sign_stride, scales, nrows, e, nbytes, bounds, nseg, server_scales, packed, row_len, row_stride))
+              (signs, sign_stride, scales, nrows, e, e_out, nbytes, bounds, nseg, server_scales, packed, row_len,
+               row_stride))
 ONEBIT_KERNEL(onebit_decode,
               (const onebit_u8* signs, onebit_i64 sign_stride, const float* scales, onebit_i64 nrows,
-               const onebit_i64* bounds, onebit_i64 nseg, const onebit_u8* keep, onebit_i64 nbytes, float* out),
-              (signs, sign_stride, scales, nrows, bounds, nseg, keep, nbytes, out))
+               const onebit_i64* bounds, onebit_i64 nseg, const onebit_u8* keep, const float* m, onebit_i64 nbytes,
+               float* out),
+              (signs, sign_stride, scales, nrows, bounds, nseg, keep, m, nbytes, out))

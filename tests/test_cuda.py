@@ -3,16 +3,17 @@ torch's streams. Skipped without a CUDA device; ``scripts/gpu_check.sh`` runs it
 ``cuda`` cases of ``tests/test_kernels.py``, which hold the kernels to the reference bit for bit).
 
 * Each optimizer, with the options that route the codec differently (``overlap_backward``: the
-  staged errors, which the CUDA kernels take as a copy updated in place rather than
-  ``error_out=``; ``scale_block_size`` with momentum masks: many segments and the decode's keep
-  mask; ``compression_space='momentum'``: no multiplier pass), takes the same steps on CUDA
+  staged errors, which the CUDA kernels write to ``error_out=``; ``scale_block_size`` with
+  momentum masks: many segments and the decode's keep mask; ``compression_space='momentum'``: no
+  multiplier), takes the same steps on CUDA
   tensors with the CUDA kernels as with the reference kernels, bit for bit, and as on the CPU
   within float tolerance (torch's CUDA and CPU arithmetic may round differently), through a
   single-rank gloo group here and through 2 gloo ranks sharing the one GPU. (NCCL needs a GPU
   per rank: 2 NCCL ranks on one GPU are not allowed, so the 2-rank run uses gloo.)
 * The stages of the compressed all-reduce, staged (new errors aside until ``commit_``) with the
-  CUDA kernels, which take no ``error_out=``, ``multiplier=`` nor ``limit=`` (the caller copies,
-  multiplies and clamps in passes of its own), equal the reference's fused calls bit for bit.
+  CUDA kernels, which take ``error_out=``, ``multiplier=`` and ``limit=``, and with those flags
+  off (the caller copies, multiplies and clamps in passes of its own), equal the reference's fused
+  calls bit for bit.
 * The codec launches on torch's current stream and, once it has seen a segment table, never waits
   for the device (``onebit/kernels/cuda.py`` says so): its calls return while the stream is still
   busy, with nothing torch would flag as a synchronization, and give the reference's results.
@@ -20,6 +21,7 @@ torch's streams. Skipped without a CUDA device; ``scripts/gpu_check.sh`` runs it
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 
@@ -194,13 +196,17 @@ def _staged_against_in_place(kernels, reference, device: str, scaled: bool) -> N
         assert torch.equal(_bits(staged.server_error), _bits(in_place.server_error)), f"step {step}: server error"
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "caller_passes"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "multiplier_and_bound"])
-def test_staged_stages_with_cuda_kernels_equal_the_reference_in_place(cuda_kernels, scaled):
-    """What the CUDA kernels do not take, the caller does: ``error_out=`` (overlap_backward's staged
-    errors) as a copy of the error updated in place, ``multiplier=`` and ``limit=`` as passes of
-    their own; the results are the reference's fused ones, bit for bit."""
-    assert not cuda_kernels.separate_errors and not cuda_kernels.multipliers  # else this tests nothing new
-    _staged_against_in_place(cuda_kernels, REFERENCE, "cuda", scaled)
+def test_staged_stages_with_cuda_kernels_equal_the_reference_in_place(cuda_kernels, scaled, fused):
+    """The CUDA kernels take ``error_out=`` (overlap_backward's staged errors), ``multiplier=`` and
+    ``limit=`` in their own passes; with those flags off the caller does the work (a copy of the
+    error updated in place, a multiply and a clamp in passes of their own). Both give the
+    reference's fused results, bit for bit."""
+    assert cuda_kernels.separate_errors and cuda_kernels.multipliers and cuda_kernels.limits
+    kernels = cuda_kernels if fused else dataclasses.replace(cuda_kernels, separate_errors=False, multipliers=False,
+                                                             limits=False)
+    _staged_against_in_place(kernels, REFERENCE, "cuda", scaled)
 
 
 # ------------------------------------------------------------------------------------------------

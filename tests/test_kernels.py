@@ -13,6 +13,7 @@ Implementations under test (each skips with its reason where it cannot run here)
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -115,21 +116,25 @@ def _scalar_kernel_set(native) -> KernelSet:
                 native.force_scalar(False)
         return run
 
-    return KernelSet("cpu-scalar", scalar(native.worker_compress_), scalar(native.server_compress_),
-                     scalar(native.decode_))
+    return dataclasses.replace(native.kernel_set(), name="cpu-scalar", worker_compress_=scalar(native.worker_compress_),
+                               server_compress_=scalar(native.server_compress_), decode_=scalar(native.decode_))
 
 
 def _on_device(impl: KernelSet, device: str) -> KernelSet:
     """Run a device implementation on CPU test tensors: copy in, run, copy results back (segment
-    tables, keyword ``bounds``, stay on the host)."""
+    tables, keyword ``bounds``, stay on the host; the other tensor keywords, ``error_out=`` and
+    ``multiplier=``, travel like the positional tensors)."""
 
     def wrap(fn):
         def run(*args, **kwargs):
             moved = [None if a is None else a.to(device) for a in args]
-            result = fn(*moved, **kwargs)
+            keywords = {k: v.to(device) if isinstance(v, torch.Tensor) and k != "bounds" else v
+                        for k, v in kwargs.items()}
+            result = fn(*moved, **keywords)
             torch.cuda.synchronize()
-            for original, dev in zip(args, moved):
-                if original is not None:
+            pairs = [*zip(args, moved), *((kwargs[k], keywords[k]) for k in kwargs if k != "bounds")]
+            for original, dev in pairs:
+                if isinstance(original, torch.Tensor):
                     original.copy_(dev.cpu())
             for original, dev in zip(args, moved):
                 if result is dev:
@@ -138,7 +143,8 @@ def _on_device(impl: KernelSet, device: str) -> KernelSet:
 
         return run
 
-    return KernelSet(impl.name, wrap(impl.worker_compress_), wrap(impl.server_compress_), wrap(impl.decode_))
+    return dataclasses.replace(impl, worker_compress_=wrap(impl.worker_compress_),
+                               server_compress_=wrap(impl.server_compress_), decode_=wrap(impl.decode_))
 
 
 @pytest.fixture(scope="module")
@@ -853,7 +859,7 @@ def test_device_code_never_flushes_subnormals_even_under_ftz(tmp_path):
     ptx = (tmp_path / "k.ptx").read_text()
     flushing = [line.strip() for line in ptx.splitlines() if ".ftz" in line]
     assert flushing == []
-    for op in ("add.rn.f32", "sub.rn.f32", "div.rn.f32", "cvt.f64.f32", "cvt.rn.f32.f64"):
+    for op in ("add.rn.f32", "sub.rn.f32", "mul.rn.f32", "div.rn.f32", "cvt.f64.f32", "cvt.rn.f32.f64"):
         assert op in ptx, op
 
 
@@ -945,12 +951,15 @@ def test_installed_wheel_ships_the_kernel_sources(tmp_path):
     assert int(proc.stdout) == len(CU_FILE.read_text())
 
 
-@pytest.mark.parametrize("name", ["reference", "cpu"])
+FUSING = ["reference", "cpu", "cpu-scalar", "cuda-host", "cuda"]  # the implementations that take the keywords
+
+
+@pytest.mark.parametrize("name", FUSING)
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_error_out_writes_the_new_error_there_and_leaves_the_error(name, ranks):
+def test_error_out_writes_the_new_error_there_and_leaves_the_error(implementations, name, ranks):
     """The staged stages of ``overlap_backward``: ``error_out=`` gives the in-place results
     bit for bit, in another buffer, and ``error`` is untouched."""
-    impl = get_kernels(torch.device("cpu"), name)
+    impl = REFERENCE if name == "reference" else implementations.get(name)
     assert impl.separate_errors
     n = 8 * ranks * 37
     bounds = torch.tensor([0, 8 * ranks * 5, n], dtype=torch.int64)
@@ -980,7 +989,7 @@ def test_error_out_writes_the_new_error_there_and_leaves_the_error(name, ranks):
     assert_bitwise_equal(kept, server_error, "server error left as it was")
 
 
-@pytest.mark.parametrize("name", ["reference", "cpu", "cpu-scalar"])
+@pytest.mark.parametrize("name", FUSING)
 @pytest.mark.parametrize("ranks", [1, 3])
 @pytest.mark.parametrize("masked", [False, True])
 def test_multiplier_equals_multiplying_in_a_pass_of_its_own(implementations, name, ranks, masked):
@@ -994,6 +1003,7 @@ def test_multiplier_equals_multiplying_in_a_pass_of_its_own(implementations, nam
     x, error = _values(n, 21), _values(n, 22) * 0.1
     multiplier = _values(n, 23).abs()
     multiplier[::13] = 0.0  # 1 / d is 0 where the momentum is kept 0
+    multiplier[1::11] *= -1  # (not from an optimizer) a cleared keep bit gives +0.0, where q s m would be -0.0
     cols = n // 8 // ranks
     exp_error, exp_wire = error.clone(), _wire(ranks, cols, 24)
     got_error, got_wire = error.clone(), exp_wire.clone()
@@ -1006,18 +1016,20 @@ def test_multiplier_equals_multiplying_in_a_pass_of_its_own(implementations, nam
     signs = _wire(ranks, cols, 25)
     scales = torch.rand(ranks * 2, generator=torch.Generator().manual_seed(26))
     keep = _wire(1, n // 8, 27)[0, :n // 8].contiguous() if masked else None
-    expected = reference_impl.decode_(signs[:, :cols], scales, torch.empty(n), keep, bounds=bounds).mul_(multiplier)
+    expected = reference_impl.decode_(signs[:, :cols], scales, torch.empty(n), bounds=bounds).mul_(multiplier)
+    if keep is not None:  # decoded, multiplied, then +0.0 where a keep bit is clear
+        expected.masked_fill_(reference.unpack_signs(keep) < 0, 0.0)
     got = impl.decode_(signs[:, :cols], scales, torch.full((n,), 7.0), keep, bounds=bounds, multiplier=multiplier)
     assert_bitwise_equal(got, expected, "decoded times the multiplier")
 
 
-@pytest.mark.parametrize("name", ["reference", "cpu", "cpu-scalar"])
+@pytest.mark.parametrize("name", FUSING)
 @pytest.mark.parametrize("ranks", [1, 3])
-@pytest.mark.parametrize("limit", [0.1, 0.7, 1e30])
+@pytest.mark.parametrize("limit", [0.1, 0.7, 1e30, 1e-39])
 def test_limit_equals_clamping_in_a_pass_of_its_own(implementations, name, ranks, limit):
     """``update_bound``'s fused clamp: ``limit=`` with ``multiplier=`` gives what compressing
     ``(x * multiplier).clamp(-limit, limit)`` gives, bit for bit (0.1 is not a float32: the clamp
-    rounds it to float32 as torch's does); 1e30 clamps nothing."""
+    rounds it to float32 as torch's does); 1e30 clamps nothing, 1e-39 (a subnormal) nearly everything."""
     impl = REFERENCE if name == "reference" else implementations.get(name)
     n = 8 * ranks * 41
     bounds = torch.tensor([0, 8 * ranks * 7, n], dtype=torch.int64)
@@ -1041,7 +1053,7 @@ def test_limit_equals_clamping_in_a_pass_of_its_own(implementations, name, ranks
     assert_bitwise_equal(got_error, exp_error, "worker error")
 
 
-@pytest.mark.parametrize("name", ["reference", "cpu"])
+@pytest.mark.parametrize("name", FUSING)
 @pytest.mark.parametrize("limit, match", [(0.0, "limit must be a number > 0"), (-1.0, "limit must be a number > 0"),
                                           (1e39, "that float32 holds"), (float("nan"), "limit must be a number > 0"),
                                           (True, "limit must be a number > 0"), (1.0, "give a multiplier with it")])
@@ -1054,12 +1066,90 @@ def test_a_bad_limit_is_refused(implementations, name, limit, match):
                               multiplier=multiplier, limit=limit)
 
 
-def test_multiplier_of_the_wrong_size_is_refused():
-    impl = get_kernels(torch.device("cpu"), "cpu")
+@pytest.mark.parametrize("name", ["cpu", "cuda-host", "cuda"])
+def test_multiplier_and_error_out_of_the_wrong_kind_are_refused(implementations, name):
+    impl = implementations.get(name)
     n = 64
-    with pytest.raises(ValueError, match="multiplier must be a float32 CPU tensor of 64 elements"):
+    match = "multiplier must be a float32 (CPU|CUDA) tensor of 64 elements"
+    with pytest.raises(ValueError, match=match):
         impl.worker_compress_(torch.zeros(n), torch.zeros(n), torch.zeros(1, n // 8, dtype=torch.uint8),
                               multiplier=torch.ones(n - 8))
-    with pytest.raises(ValueError, match="multiplier must be a float32 CPU tensor of 64 elements"):
+    with pytest.raises(ValueError, match=match):
         impl.decode_(torch.zeros(1, n // 8, dtype=torch.uint8), torch.ones(1), torch.empty(n),
                      multiplier=torch.ones(n, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"error_out must be a float32 .*tensor of shape \(64,\)"):
+        impl.worker_compress_(torch.zeros(n), torch.zeros(n), torch.zeros(1, n // 8, dtype=torch.uint8),
+                              error_out=torch.zeros(n - 8))
+    with pytest.raises(ValueError, match=r"error_out must be a float32 .*tensor of shape \(8,\)"):
+        impl.server_compress_(torch.zeros(1, 1, dtype=torch.uint8), torch.ones(1), torch.zeros(8),
+                              torch.zeros(1, dtype=torch.uint8), error_out=torch.zeros(8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", FUSING)
+def test_a_nan_product_is_not_clamped(implementations, name):
+    """torch's clamp keeps a NaN: the fused clamp must not turn it into +-limit. A NaN product
+    makes its segment's scale and errors NaN and codes as +1; the other segment is untouched.
+    (Compared NaN for NaN: the bits of a NaN differ between CPUs and GPUs.)"""
+    impl = REFERENCE if name == "reference" else implementations.get(name)
+    n = 64
+    bounds = torch.tensor([0, 32, n], dtype=torch.int64)
+    x, error, multiplier = _values(n, 41), _values(n, 42) * 0.1, _values(n, 43).abs() + 0.5
+    x[3], x[40] = float("nan"), float("-inf")
+    multiplier[40] = 0.0  # -inf * 0 is NaN too
+    exp_error, exp_wire = error.clone(), torch.zeros(1, n // 8, dtype=torch.uint8)
+    exp_scales = REFERENCE.worker_compress_((x * multiplier).clamp(-0.5, 0.5), exp_error, exp_wire, bounds=bounds)
+    got_error, got_wire = error.clone(), torch.zeros(1, n // 8, dtype=torch.uint8)
+    got_scales = impl.worker_compress_(x, got_error, got_wire, bounds=bounds, multiplier=multiplier, limit=0.5)
+    assert exp_scales.isnan().all() and exp_error.isnan().all()  # (the oracle: both segments hold a NaN)
+    assert got_scales.isnan().all() and got_error.isnan().all()
+    assert_bitwise_equal(got_wire, exp_wire, "worker signs")
+    x[40], multiplier[40] = 1.0, 1.0  # the second segment without its NaN: as the reference, bit for bit
+    exp_error, got_error = error.clone(), error.clone()
+    exp_scales = REFERENCE.worker_compress_((x * multiplier).clamp(-0.5, 0.5), exp_error, exp_wire, bounds=bounds)
+    got_scales = impl.worker_compress_(x, got_error, got_wire, bounds=bounds, multiplier=multiplier, limit=0.5)
+    assert got_scales[0].isnan() and got_error[:32].isnan().all() and exp_scales[0].isnan()
+    assert_bitwise_equal(got_scales[1:], exp_scales[1:], "scale of the segment without a NaN")
+    assert_bitwise_equal(got_error[32:], exp_error[32:], "errors of the segment without a NaN")
+    assert_bitwise_equal(got_wire, exp_wire, "worker signs")
+
+
+def test_the_collectives_hand_the_cuda_kernels_their_keywords(implementations):
+    """With the CUDA kernel set (here its launch sequence over the host build of the kernel bodies),
+    the compressed all-reduce passes ``error_out=``, ``multiplier=`` and ``limit=`` to the kernels
+    instead of doing a copy, a multiply and a clamp in passes of its own, and its staged stages give
+    the reference's in-place results bit for bit."""
+    from onebit.backends.local import LocalBackend
+    from onebit.collectives import CompressionState, finish_, start_server_, start_worker_
+
+    impl = implementations.get("cuda-host")
+    assert impl.separate_errors and impl.multipliers and impl.limits
+    calls = []
+
+    def record(op, fn):
+        def run(*args, **kwargs):
+            calls.append((op, sorted(k for k, v in kwargs.items() if v is not None and k != "bounds")))
+            return fn(*args, **kwargs)
+        return run
+
+    kernels = dataclasses.replace(impl, worker_compress_=record("worker", impl.worker_compress_),
+                                  server_compress_=record("server", impl.server_compress_),
+                                  decode_=record("decode", impl.decode_))
+    edges = [0, 8 * 5, 8 * 5 + 1024, 8 * 5 + 1024 + 8 * 777]
+    backend = LocalBackend()
+    staged, in_place = (CompressionState(edges[-1], 1, "cpu", edges) for _ in range(2))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(2):
+        x, multiplier = torch.randn(edges[-1], generator=gen), torch.rand(edges[-1], generator=gen)
+        expected, got = x.clone(), x.clone()
+        start_worker_(expected, in_place, backend, REFERENCE, multiplier=multiplier, bound=0.5)
+        start_server_(in_place, backend, REFERENCE)
+        finish_(expected, in_place, REFERENCE, multiplier=multiplier)
+        start_worker_(got, staged, backend, kernels, staged=True, multiplier=multiplier, bound=0.5)
+        start_server_(staged, backend, kernels, staged=True)
+        finish_(got, staged, kernels, multiplier=multiplier)
+        staged.commit_()
+        assert_bitwise_equal(got, expected, f"step {step}: output")
+        assert_bitwise_equal(staged.worker_error, in_place.worker_error, f"step {step}: worker error")
+        assert_bitwise_equal(staged.server_error, in_place.server_error, f"step {step}: server error")
+    assert calls == [("worker", ["error_out", "limit", "multiplier"]), ("server", ["error_out"]),
+                     ("decode", ["multiplier"])] * 2

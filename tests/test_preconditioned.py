@@ -111,7 +111,7 @@ registry.register("reference-nolimits", lambda: dataclasses.replace(REFERENCE, n
 @pytest.mark.parametrize("kernels", ["cpu", "reference", "reference-unfused", "reference-nolimits"])
 def test_one_rank_matches_the_oracle(kernels, update_bound):
     """With the multiplies in the codec's passes (``cpu``, ``reference``) or in passes of their
-    own (a kernel set without ``multipliers``, as the CUDA kernels), with and without
+    own (a kernel set without ``multipliers``), with and without
     ``update_bound`` (its clamp in the codec's worker pass, or in the multiply's pass of its own):
     the oracle, bit for bit."""
     clamped = []

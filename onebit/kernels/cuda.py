@@ -28,6 +28,7 @@ tests run it on the CPU over the same kernel bodies compiled for the host (see t
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from importlib import resources
@@ -37,7 +38,8 @@ from typing import Any, Callable
 import torch
 
 from .registry import KernelSet, register
-from ._layout import byte_rows, check_bounds, check_decode, check_server, check_worker, claimed_segments, flat_float
+from ._layout import (byte_rows, check_bounds, check_decode, check_limit, check_server, check_worker, claimed_segments,
+                      flat_float)
 from .blocked import BLOCK, LANES
 
 logger = logging.getLogger(__name__)
@@ -175,47 +177,59 @@ class CudaCodec:
         return scales
 
     def worker_compress_(self, x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, *,
-                         bounds: torch.Tensor | None = None) -> torch.Tensor:
+                         bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None,
+                         multiplier: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
+        """:func:`onebit.kernels.reference.worker_compress_`: returns the ``(k,)`` scales (on the device)."""
         n = check_worker(x, error, packed, self.device_type)
+        check_limit(limit, multiplier)
+        target = _error_target(error, error_out, self.device_type)
+        ms = _multiplier(multiplier, x, self.device_type, "worker_compress_")
         nrows = packed.shape[0] if packed.dim() == 2 else 1
         _, edges = check_bounds(bounds, n, 8 * nrows, "worker_compress_")
         plan = self._plan(edges, x.device)
         xs, es = flat_float(x), flat_float(error)
+        eo = None if target is error else flat_float(target)
         out = byte_rows(packed, output=True)
         lanes = torch.empty(plan.nblocks * LANES, dtype=torch.float64, device=x.device)
-        self.launch("onebit_worker_sumsq", plan.nblocks * LANES, xs, es, plan.blocks, plan.nblocks, lanes)
+        bits = _limit_bits(limit)
+        self.launch("onebit_worker_sumsq", plan.nblocks * LANES, xs, ms, bits, es, plan.blocks, plan.nblocks, lanes)
         scales = self._scales(lanes, plan)
-        self.launch("onebit_worker_pack", n // 8, xs, es, n // 8, plan.bounds, plan.segments, nrows, scales,
-                    out.tensor, out.row_len, out.row_stride)
+        self.launch("onebit_worker_pack", n // 8, xs, ms, bits, es, eo, n // 8, plan.bounds, plan.segments, nrows,
+                    scales, out.tensor, out.row_len, out.row_stride)
         out.finish_()
-        if es.data_ptr() != error.data_ptr():
-            error.copy_(es.view(error.shape))
+        _copy_back(target, es if eo is None else eo)
         return scales
 
     def server_compress_(self, signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
-                         packed: torch.Tensor, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
+                         packed: torch.Tensor, *, bounds: torch.Tensor | None = None,
+                         error_out: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`onebit.kernels.reference.server_compress_`: returns the ``(k,)`` server scales."""
         n = check_server(signs, scales, error, packed, self.device_type, claimed_segments(bounds))
+        target = _error_target(error, error_out, self.device_type)
         nrows = signs.shape[0]
         # The table spans the whole buffer (nrows chunks of n elements); this chunk is cut by bounds / nrows.
         _, edges = check_bounds(bounds, n * nrows, 8 * nrows, "server_compress_")
         plan = self._plan(edges, error.device, nrows)
         rows = byte_rows(signs, output=False)
         sc, es = flat_float(scales), flat_float(error)
+        eo = None if target is error else flat_float(target)
         out = byte_rows(packed, output=True)
         lanes = torch.empty(plan.nblocks * LANES, dtype=torch.float64, device=error.device)
         self.launch("onebit_server_sumsq", plan.nblocks * LANES, rows.tensor, rows.row_stride, sc, nrows,
                     plan.segments, es, plan.blocks, plan.nblocks, lanes)
         result = self._scales(lanes, plan)
-        self.launch("onebit_server_pack", n // 8, rows.tensor, rows.row_stride, sc, nrows, es, n // 8, plan.bounds,
-                    plan.segments, result, out.tensor, out.row_len, out.row_stride)
+        self.launch("onebit_server_pack", n // 8, rows.tensor, rows.row_stride, sc, nrows, es, eo, n // 8,
+                    plan.bounds, plan.segments, result, out.tensor, out.row_len, out.row_stride)
         out.finish_()
-        if es.data_ptr() != error.data_ptr():
-            error.copy_(es.view(error.shape))
+        _copy_back(target, es if eo is None else eo)
         return result
 
     def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None,
+                multiplier: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`onebit.kernels.reference.decode_`."""
         check_decode(signs, scales, out, self.device_type, keep, claimed_segments(bounds))
+        ms = _multiplier(multiplier, out, self.device_type, "decode_")
         nrows = signs.shape[0]
         _, edges = check_bounds(bounds, out.numel(), 8 * nrows, "decode_")
         plan = self._plan(edges, out.device)
@@ -223,14 +237,49 @@ class CudaCodec:
         sc, dst = flat_float(scales), flat_float(out)
         nbytes = signs.shape[0] * signs.shape[1]
         self.launch("onebit_decode", nbytes, rows.tensor, rows.row_stride, sc, nrows, plan.bounds, plan.segments,
-                    keep, nbytes, dst)
-        if dst.data_ptr() != out.data_ptr():
-            out.copy_(dst.view(out.shape))
+                    keep, ms, nbytes, dst)
+        _copy_back(out, dst)
         return out
 
     def kernel_set(self, name: str = "cuda") -> KernelSet:
         return KernelSet(name=name, worker_compress_=self.worker_compress_,
-                         server_compress_=self.server_compress_, decode_=self.decode_)
+                         server_compress_=self.server_compress_, decode_=self.decode_, separate_errors=True,
+                         multipliers=True, limits=True)
+
+
+def _copy_back(original: torch.Tensor, flat: torch.Tensor) -> None:
+    """Copy a kernel's flat output into the caller's tensor where it went through a contiguous copy."""
+    if flat.data_ptr() != original.data_ptr():
+        original.copy_(flat.view(original.shape))
+
+
+def _error_target(error: torch.Tensor, error_out: torch.Tensor | None, device_type: str) -> torch.Tensor:
+    """Where the new error goes: ``error`` itself, or ``error_out`` (float32, ``error``'s shape and
+    device, not overlapping ``error``: the kernel reads one while it writes the other)."""
+    if error_out is None or error_out is error:
+        return error
+    if error_out.shape != error.shape or error_out.dtype != torch.float32 or error_out.device != error.device:
+        raise ValueError(f"error_out must be a float32 tensor of shape {tuple(error.shape)} on {error.device} "
+                         f"({device_type}), got {error_out.dtype} {tuple(error_out.shape)} on {error_out.device}")
+    return error_out
+
+
+def _multiplier(multiplier: torch.Tensor | None, like: torch.Tensor, device_type: str, what: str) -> torch.Tensor | None:
+    """The contiguous float32 tensor to pass for ``multiplier=`` (``like``'s length and device)."""
+    if multiplier is None:
+        return None
+    if multiplier.dtype != torch.float32 or multiplier.device != like.device or multiplier.numel() != like.numel():
+        raise ValueError(f"{what}: multiplier must be a float32 {device_type.upper()} tensor of {like.numel()} elements "
+                         f"on {like.device}, got {multiplier.dtype} of {multiplier.numel()} elements on "
+                         f"{multiplier.device}")
+    return flat_float(multiplier)
+
+
+def _limit_bits(limit: float | None) -> int:
+    """The bits of ``limit`` rounded to float32 (as torch's clamp of a float32 tensor rounds it), as the
+    kernels take it; no limit is +inf, which clamps nothing."""
+    value = torch.tensor(math.inf if limit is None else limit, dtype=torch.float32)
+    return int(value.view(torch.int32).item())
 
 
 def _cupy_stream(cupy: Any, torch_stream: torch.cuda.Stream) -> Any:
@@ -311,27 +360,42 @@ def _check_subnormals(codec: CudaCodec, device: torch.device) -> None:
 
     A compiler flag that flushes subnormals (CuPy adds -ftz=true) turns the sign of a negative
     subnormal into +1 and a negated subnormal scale into -0.0: the kernels would no longer equal the
-    reference, silently. One launch of each at load time says so instead."""
-    from . import reference
-
+    reference, silently. A few launches at load time say so instead: the plain worker and decode, then
+    both with a multiplier (subnormal products) and the worker with a subnormal limit."""
     x = torch.tensor([-1e-40, 1e-40, -0.0, 0.0, -3e-39, 2.0, -1.0, 1e-45] * 2, dtype=torch.float32)
     error = torch.tensor([0.0, -2e-40, 0.0, -0.0, 1e-39, 0.0, 0.0, -2e-45] * 2, dtype=torch.float32)
+    multiplier = torch.tensor([1.0, 0.5, 1.0, 3.0, 1.0, 1.0, 0.75, 1.0] * 2, dtype=torch.float32)
+    for fused in (False, True):
+        worker = {"multiplier": multiplier, "limit": 2e-39} if fused else {}
+        decode = {"multiplier": multiplier} if fused else {}
+        if not _equals_reference(codec, device, x, error, worker, decode):
+            raise RuntimeError(
+                f"the onebit CUDA kernels compiled by CuPy {getattr(sys.modules.get('cupy'), '__version__', '?')} "
+                "do not keep subnormal floats (flush to zero): they would differ from the reference; "
+                "set ONEBIT_KERNELS=reference (or kernels='reference') and report this")
+
+
+def _equals_reference(codec: CudaCodec, device: torch.device, x: torch.Tensor, error: torch.Tensor,
+                      worker: dict[str, Any], decode: dict[str, Any]) -> bool:
+    """Whether a worker and a decode call of ``codec`` (keywords ``worker``, ``decode``: tensors on
+    the CPU) give the reference's bits."""
+    from . import reference
+
+    def to(kw: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
     scales = torch.tensor([2.5e-39], dtype=torch.float32)
     exp_error, exp_packed = error.clone(), torch.zeros(1, 2, dtype=torch.uint8)
-    exp_scale = reference.worker_compress_(x, exp_error, exp_packed)
-    exp_out = reference.decode_(exp_packed, scales, torch.empty(16))
+    exp_scale = reference.worker_compress_(x, exp_error, exp_packed, **worker)
+    exp_out = reference.decode_(exp_packed, scales, torch.empty(16), **decode)
     got_error, got_packed = error.to(device), torch.zeros(1, 2, dtype=torch.uint8, device=device)
-    got_scale = codec.worker_compress_(x.to(device), got_error, got_packed)
-    got_out = codec.decode_(got_packed, scales.to(device), torch.empty(16, device=device))
+    got_scale = codec.worker_compress_(x.to(device), got_error, got_packed, **to(worker))
+    got_out = codec.decode_(got_packed, scales.to(device), torch.empty(16, device=device), **to(decode))
     got = [t.cpu().view(torch.int32) if t.dtype == torch.float32 else t.cpu()
            for t in (got_scale, got_error, got_packed, got_out)]
     expected = [t.view(torch.int32) if t.dtype == torch.float32 else t
                 for t in (exp_scale, exp_error, exp_packed, exp_out)]
-    if not all(torch.equal(a, b) for a, b in zip(got, expected)):
-        raise RuntimeError(
-            f"the onebit CUDA kernels compiled by CuPy {getattr(sys.modules.get('cupy'), '__version__', '?')} "
-            "do not keep subnormal floats (flush to zero): they would differ from the reference; "
-            "set ONEBIT_KERNELS=reference (or kernels='reference') and report this")
+    return all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 register("cuda", lambda: load().kernel_set(), native_for="cuda")
