@@ -31,6 +31,7 @@ also printed) and ``gpu_codec_summary.txt`` (a few lines for the check's summary
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 from onebit import OnebitAdam
 from onebit.kernels import REFERENCE, KernelSet, get_kernels
+from onebit.kernels.registry import register
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2  # rows the server and the decode read
@@ -177,8 +179,16 @@ def steps(n: int, repeats: int, backend: str, native: str, device: str) -> list[
 
         return _time(step, repeats, device)
 
+    # The same kernels without their fused options (error_out=, multiplier=, limit=): the caller's
+    # own passes (a copy of the error, a multiply, a clamp), timed next to the fused step.
+    unfused = f"{native}-unfused"
+    register(unfused, lambda: dataclasses.replace(get_kernels(device, native), name=unfused, separate_errors=False,
+                                                  multipliers=False, limits=False))
     cases = {
         f"onebit_compression_step ({native} kernels; preconditioned, update_bound auto)": lambda: onebit(native),
+        f"onebit_compression_step ({native} kernels without error_out/multiplier/limit; preconditioned, "
+        "update_bound auto)": lambda: onebit(unfused),
+        f"onebit_compression_step ({native} kernels; preconditioned, update_bound auto; again)": lambda: onebit(native),
         f"onebit_compression_step ({native} kernels; momentum space, no bound)":
             lambda: onebit(native, compression_space="momentum", update_bound=None),
         "onebit_compression_step (reference kernels; preconditioned, update_bound auto)": lambda: onebit("reference"),
