@@ -75,7 +75,7 @@ def test_dry_run_runs_every_step_and_writes_the_results(tmp_path):
     results = json.loads((out / "gpu_codec.json").read_text())
     assert {(r["impl"], r["op"]) for r in results["codec"]} >= {
         ("cpu", "worker"), ("cpu", "server"), ("cpu", "decode"), ("reference", "worker"), ("torch", "copy")}
-    assert len(results["steps"]) == 5 and not any("error" in r for r in results["steps"])
+    assert len(results["steps"]) == 7 and not any("error" in r for r in results["steps"])
     assert all(r["median_ms"] > 0 for r in results["codec"] + results["steps"])
 
 
