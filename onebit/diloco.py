@@ -3,6 +3,7 @@ of the pseudo-gradient ``global_params - params``."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -11,6 +12,7 @@ import torch
 
 from . import functional as F
 from . import fragments as fragmenting
+from . import inner as inner_optimizer
 from .buckets import Bucket
 from .collectives import compressed_allreduce_, new_state
 from .engine import OnebitOptimizer
@@ -19,7 +21,7 @@ from .plan import StepPlan
 from .spec import Schedule, Setting, StateSpec
 from .exact import ExactAverage
 from .shards import local
-from .validation import DEEPSPEED_COMMON_REFUSED, check_choice, check_flag, check_number, is_int
+from .validation import DEEPSPEED_COMMON_REFUSED, TORCH_FLAGS, check_choice, check_flag, check_number, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,11 @@ SCHEDULE = Schedule((
     Setting("outer_bits", lambda value: _check_outer_bits(value), absent=1, omit=1),
     Setting("fragments", lambda value: _check_fragments(value, saved=True), absent=1, omit=1),
 ), check_all=lambda values: _check_fragments_fit(values["fragments"], values["sync_every"], saved=True))
+
+
+#: the state with ``inner=``: the inner optimizer keeps its own (saved as "inner:<name>" entries)
+INNER_STATE = StateSpec(buffers=("global_params", "outer_momentum_buffer"), lazy=("outer_momentum_buffer",),
+                        group_keys=("lr",), schedule=SCHEDULE)
 
 
 class OnebitDiLoCo(OnebitOptimizer):
@@ -179,6 +186,17 @@ class OnebitDiLoCo(OnebitOptimizer):
             outer update runs on the CPU). The same numbers either way (bit for bit at the default
             ``outer_momentum=0``). Not with sharded (DTensor) parameters, whose state must be
             DTensors on their mesh.
+        inner: the inner optimizer: None (default) for the built-in fused AdamW above, or a
+            ``torch.optim.Optimizer`` class or a callable that builds one from the param groups it
+            is given (e.g. ``functools.partial(torch.optim.SGD, momentum=0.9)``). It is built over
+            this optimizer's own param groups (the same dicts: schedulers, ``zero_grad`` and
+            ``add_param_group`` reach it), so the hyperparameters both have (``lr``,
+            ``weight_decay``, ``betas``, ``eps``) are this optimizer's; one given to the factory at
+            another value, or one the inner optimizer lacks at a value other than the default, is
+            refused, as are ``bias_correction=False``, momentum masks and onebit's own optimizers
+            (they communicate). Its state stays its own (:attr:`inner_optimizer`), saved in the
+            state dict as ``"inner:<name>"`` entries beside each parameter's global parameters;
+            ``torch.optim.AdamW`` gives the built-in's numbers bit for bit.
         bias_correction: the inner AdamW's bias correction (on by default, as in torch).
         **options: the keyword-only options of every onebit optimizer (transport, group, masks,
             buckets, scale blocks, non-finite gradients, divergence, kernels): see
@@ -226,6 +244,7 @@ class OnebitDiLoCo(OnebitOptimizer):
         outer_bits: int | None = None,
         fragments: int = 1,
         outer_state: str = "device",
+        inner: Any = None,
         bias_correction: bool = True,
         **options: Any,
     ) -> None:
@@ -249,11 +268,22 @@ class OnebitDiLoCo(OnebitOptimizer):
         self.fragments = fragments
         check_choice("outer_state", outer_state, OUTER_STATE)
         self.outer_state = outer_state
+        self._inner: torch.optim.Optimizer | None = None
+        self._inner_factory = inner
+        if inner is not None:
+            self.STATE = INNER_STATE  # (the inner optimizer's state is its own)
+            if options.get("momentum_masks"):
+                raise ValueError("OnebitDiLoCo(inner=...) takes no momentum_masks: a mask keeps onebit's own momentum "
+                                 "at 0, and the inner optimizer's state is its own; leave inner out to use masks")
         self._fragment_of: dict[int, int] | None = None  # id(bucket) -> its fragment (see _fragment_map)
         self._fragment_counts: dict[int, list[int]] = {}  # fragment -> [outer steps, bytes sent] (comm_stats)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, **options)
+        if inner is not None:
+            self._inner = inner_optimizer.build(inner, self.param_groups)
+            inner_optimizer.check_hyperparameters(self._inner, self.param_groups, self._builtin_defaults())
+            inner_optimizer.check_shared(self._inner, self.param_groups)
         if fragments > 1 and len(self._buckets) < fragments:
             numels = [local(p).numel() for b in self._buckets for p in b.owners]
             raise ValueError(
@@ -284,13 +314,33 @@ class OnebitDiLoCo(OnebitOptimizer):
                 bucket.compression = ExactAverage(bucket.padded, self._backend.world_size, bucket.device,
                                                   bucket.layout.edges)
 
-    @classmethod
-    def _check_group(cls, group: Mapping[str, Any]) -> None:
+    def _check_group(self, group: Mapping[str, Any]) -> None:
+        if getattr(self, "_inner_factory", None) is not None:  # (torch.optim's flags are then the inner optimizer's)
+            group = {key: value for key, value in group.items() if key not in TORCH_FLAGS}
         super()._check_group(group)
         check_flag("bias_correction", group["bias_correction"])
         if group.get("compress") is False:
             raise ValueError("OnebitDiLoCo: compress=False in a param group is not supported: every parameter "
                              "takes part in the outer step; remove the key")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """:meth:`onebit.engine.OnebitOptimizer.add_param_group`; with ``inner=``, the inner optimizer
+        takes the same group."""
+        super().add_param_group(param_group)
+        if getattr(self, "_inner", None) is not None:
+            self._inner.add_param_group(self.param_groups[-1])
+            inner_optimizer.check_hyperparameters(self._inner, self.param_groups[-1:], self._builtin_defaults())
+
+    @classmethod
+    def _builtin_defaults(cls) -> dict[str, Any]:
+        """The built-in AdamW's hyperparameters at their defaults (from the signature)."""
+        signature = inspect.signature(cls.__init__).parameters
+        return {name: signature[name].default for name in ("betas", "eps", "weight_decay", "bias_correction")}
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer ``inner=`` built (None: the built-in fused AdamW)."""
+        return self._inner
 
     def _homes(self) -> dict[str, str]:
         return {name: "host" for name in OUTER_BUFFERS} if self.outer_state == "host" else {}
@@ -400,11 +450,20 @@ class OnebitDiLoCo(OnebitOptimizer):
             return [False] * len(present)
         return present
 
+    def _update(self, r: Any, grads: list[list[torch.Tensor | None]], compressed: list[Bucket],
+                averaged: list[Bucket]) -> None:
+        """With ``inner=``, the inner optimizer's step over every parameter first; then each bucket's
+        update (an outer step computes its pseudo-gradient from the parameters it left)."""
+        if self._inner is not None:
+            inner_optimizer.step(self._inner, [b.owners for b in self._buckets], grads,
+                                 scaled=getattr(self, "grad_scale", None) is not None)
+        super()._update(r, grads, compressed, averaged)
+
     def _update_local(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int) -> None:
         """The inner AdamW step of the parameters that have a gradient (each counts its own steps
-        for the bias corrections, as in torch)."""
+        for the bias corrections, as in torch); with ``inner=``, nothing: :meth:`_update` ran it."""
         here = [i for i, g in enumerate(grads) if g is not None]
-        if not here:
+        if not here or self._inner is not None:
             return
         beta1, beta2 = group["betas"]
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -529,12 +588,68 @@ class OnebitDiLoCo(OnebitOptimizer):
             self._backend.inner.all_reduce_mean_(flat)  # (outside any step: not in comm_stats())
             for p, view in zip(bucket.params, bucket.view(flat)):
                 p.copy_(view)
-            self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg"])
-            self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg_sq"])
+            if self._inner is None:
+                self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg"])
+                self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg_sq"])
+        if self._inner is not None:
+            self._check_same_inner_state()
+            inner_optimizer.average(self._inner, self._backend.inner.all_reduce_mean_)
         self._synced_at = self._step
         if self._speaks:
             logger.info("onebit: synchronize() after step %d: parameters and inner moments averaged over %d ranks",
                         self._step, self._backend.world_size)
+
+    def _check_same_inner_state(self) -> None:
+        """Before averaging the inner optimizer's state: every rank must hold the same entries (a
+        parameter that had a gradient on some ranks only has state there), else the averages would
+        not pair up."""
+        names = [(i, name, tuple(v.shape)) for i, p in enumerate(p for g in self._inner.param_groups for p in g["params"])
+                 for name, v in self._inner.state.get(p, {}).items() if isinstance(v, torch.Tensor)]
+        digest = torch.tensor(list(repr(names).encode()), dtype=torch.uint8)
+        differ = ranks_holding_other(self._backend.inner, [digest], self._device())
+        if differ:
+            raise RuntimeError(f"OnebitDiLoCo.synchronize(): the inner optimizer's state on ranks {differ} has other "
+                               "entries than on rank 0 (a parameter had a gradient on some ranks only); nothing was "
+                               "averaged. Give every parameter a gradient on every rank before synchronize()")
+
+    def _build_state_dict(self) -> dict[str, Any]:
+        """With ``inner=``, each parameter's entry also holds the inner optimizer's state (copies),
+        its names prefixed ``"inner:"``."""
+        state_dict = super()._build_state_dict()
+        if self._inner is not None:
+            for index, entry in inner_optimizer.entries(self._inner, self.param_groups).items():
+                state_dict["state"][index] = {**state_dict["state"].get(index, {}), **entry}
+        return state_dict
+
+    def restore(self, state_dict: dict[str, Any],
+                compression_errors: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """:meth:`onebit.engine.OnebitOptimizer.restore`; with ``inner=``, the inner optimizer's state
+        too. A state dict of the built-in AdamW (``inner`` left out) and one of an inner optimizer
+        do not load into each other."""
+        stripped, saved = inner_optimizer.split(state_dict)
+        entries = stripped.get("state", {}) if isinstance(stripped, Mapping) else {}
+        builtin = any(isinstance(e, Mapping) and "exp_avg" in e for e in entries.values())
+        if self._inner is None and saved:
+            raise ValueError("cannot load optimizer state: it holds an inner optimizer's state (saved by "
+                             "OnebitDiLoCo(inner=...)); build this OnebitDiLoCo with the same inner=")
+        if self._inner is not None and builtin:
+            raise ValueError("cannot load optimizer state: it was saved by OnebitDiLoCo's built-in AdamW (inner left "
+                             f"out), not by an inner {type(self._inner).__name__}; build it without inner=, or start "
+                             "the inner optimizer afresh by loading a state dict without its exp_avg entries")
+        if self._inner is not None and not saved and stripped.get("param_groups") and self._has_steps(stripped):
+            raise ValueError("cannot load optimizer state: it holds no state of the inner optimizer although it was "
+                             "saved after some steps (torch.distributed.checkpoint loads only the entries the fresh "
+                             "optimizer's state_dict() has, and a fresh inner optimizer has none): save and load with "
+                             "onebit.save_checkpoint / load_checkpoint, or optimizer.state_dict() and torch.save")
+        super().restore(stripped if self._inner is not None else state_dict, compression_errors)
+        if self._inner is not None:
+            inner_optimizer.apply(self._inner, self.param_groups, saved)
+
+    @staticmethod
+    def _has_steps(state_dict: Mapping[str, Any]) -> bool:
+        groups = state_dict.get("param_groups") or [{}]
+        meta = groups[0].get("onebit", {}) if isinstance(groups[0], Mapping) else {}
+        return isinstance(meta, Mapping) and bool(meta.get("step", 0))
 
     def _check_same_start(self) -> None:
         """The first outer step: every rank must have started from the same global parameters."""

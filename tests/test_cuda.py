@@ -291,11 +291,11 @@ def test_codec_runs_on_the_current_stream_without_waiting(cuda_kernels, ranks):
         assert torch.equal(_bits(a), _bits(b)), f"{name} differ from the reference's"
 
 
-def _diloco_on_cuda(outer_state: str, outer_momentum: float, error_feedback: str) -> dict:
+def _diloco_on_cuda(outer_state: str, outer_momentum: float, error_feedback: str, inner=None) -> dict:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, device="cuda")) for shape in SHAPES]
     opt = OnebitDiLoCo(params, lr=1e-2, sync_every=3, outer_momentum=outer_momentum, error_feedback=error_feedback,
-                       outer_state=outer_state, kernels="cuda")
+                       outer_state=outer_state, kernels="cuda", inner=inner)
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
         sum((p * g.to("cuda")).sum() for p, g in zip(params, _gradients(0, t))).backward()
@@ -349,3 +349,13 @@ def test_diloco_outer_state_on_the_host_frees_gpu_memory(one_rank_group, outer_m
 
     saved = (state_bytes("device") - state_bytes("host")) / numel
     assert saved == pytest.approx(8.0 if outer_momentum > 0 else 4.0, abs=0.05)
+
+
+def test_diloco_with_an_inner_torch_adamw_on_cuda(cuda_kernels, one_rank_group):
+    """inner=torch.optim.AdamW on CUDA tensors takes the built-in fused AdamW's steps (bit for bit
+    on the CPU, tests/test_diloco.py; here within float tolerance), its state on the GPU."""
+    inner = _diloco_on_cuda("device", 0.9, "model", inner=torch.optim.AdamW)
+    built_in = _diloco_on_cuda("device", 0.9, "model")
+    for i, (x, y) in enumerate(zip(inner["params"], built_in["params"])):
+        torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL, msg=lambda m: f"parameter {i}: {m}")
+    assert {where for where, _ in inner["homes"].values()} == {"cuda"}

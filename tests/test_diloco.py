@@ -10,7 +10,10 @@ on the global parameters. The ranks agree bit for bit after every outer step and
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
+import pickle
 
 import pytest
 import torch
@@ -73,14 +76,15 @@ def test_inner_steps_are_torch_adamw():
 
 
 def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentum: float = 0.9,
-             compression: str = "onebit", error_feedback: str = "buffer", outer_bits: int = 1) -> list[list]:
+             compression: str = "onebit", error_feedback: str = "buffer", outer_bits: int = 1,
+             inner=lambda params: torch.optim.AdamW(params, lr=LR)) -> list[list]:
     """Every rank's parameters after every step, from the maths (see the module docstring);
     ``error_feedback="model"``: the worker errors start every outer step at 0, and each rank
     continues from the global parameters minus its own (unpadded) worker error. ``outer_bits=2``:
     a second compressed all-reduce of the first's residuals (each rank's worker error as its
     input, the server errors as its server errors), added to the average; its errors carry on."""
     models = [_model() for _ in range(world_size)]
-    inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    inners = [inner(m.parameters()) for m in models]
     glob = _model()
     outer = torch.optim.SGD(glob.parameters(), lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
     numels = [p.numel() for p in glob.parameters()]
@@ -325,6 +329,162 @@ def test_outer_state_on_the_host_takes_the_same_steps(tmp_path):
             assert all(torch.equal(state_d[k], state_h[k]) for k in state_d), feedback
         assert "outer_state='host') does not take sharded (DTensor) parameters" in result["refused"]
         assert "pass outer_state='device'" in result["refused"]
+
+
+def _sgd(params, **kwargs):
+    return torch.optim.SGD(params, **{"lr": LR, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2, **kwargs})
+
+
+def _inner_rank(rank: int, world_size: int) -> dict:
+    out = {}
+    for feedback in ("buffer", "model"):
+        model = _model()
+        opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_lr=0.7, outer_momentum=0.9,
+                           error_feedback=feedback, outer_bits=1, comm_backend_name="gloo",
+                           inner=functools.partial(torch.optim.SGD, momentum=0.9, nesterov=True))
+        trajectory = []
+        for t in range(1, STEPS + 1):
+            opt.zero_grad(set_to_none=True)
+            _backward(model, rank, t)
+            opt.step()
+            trajectory.append([p.detach().clone() for p in model.parameters()])
+        momenta = [opt.inner_optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        opt.synchronize()
+        synced = ([p.detach().clone() for p in model.parameters()],
+                  [opt.inner_optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()])
+        out[feedback] = {"trajectory": trajectory, "momenta": momenta, "synced": synced,
+                         "keys": sorted(opt.state_dict()["state"][0])}
+    return out
+
+
+@pytest.mark.slow
+def test_an_inner_torch_sgd_follows_the_simulation(tmp_path):
+    """inner=functools.partial(torch.optim.SGD, momentum=0.9, nesterov=True): the inner steps are
+    that SGD's (lr and weight decay from OnebitDiLoCo's groups), the outer steps the same 1-bit
+    average and Nesterov step as with the built-in AdamW, on 2 gloo ranks against the simulation
+    with per-rank SGDs; synchronize() averages the parameters and the SGD momenta."""
+    results = run_ranks(_inner_rank, 2, tmp_path)
+    for feedback in ("buffer", "model"):
+        expected = simulate(2, error_feedback=feedback, inner=_sgd)
+        for rank, result in enumerate(results):
+            for t, (mine, theirs) in enumerate(zip(result[feedback]["trajectory"], expected), start=1):
+                for a, b in zip(mine, theirs[rank]):
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{feedback} rank {rank} step {t}")
+        first, second = results[0][feedback], results[1][feedback]
+        assert not all(torch.equal(a, b) for a, b in zip(first["momenta"], second["momenta"]))
+        for a, b, m0, m1 in zip(first["synced"][1], second["synced"][1], first["momenta"], second["momenta"]):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, (m0 + m1) / 2, rtol=0, atol=1e-7)
+        assert all(torch.equal(a, b) for a, b in zip(first["synced"][0], second["synced"][0]))
+        assert first["keys"] == ["global_params", "inner:momentum_buffer", "outer_momentum_buffer"]
+
+
+def _run_local(steps: int = STEPS, reload_at: int | None = None, scaler: bool = False, **kwargs) -> tuple[list, OnebitDiLoCo]:
+    """One process (the local transport runs the whole 1-bit all-reduce), outer steps every H;
+    ``reload_at``: a state dict and the compression errors restored into a fresh optimizer there."""
+    def build(model):
+        groups = [{"params": [model[0].weight, model[2].weight]},
+                  {"params": [model[0].bias, model[2].bias], "lr": 3e-3, "weight_decay": 0.0}]
+        return OnebitDiLoCo(groups, lr=LR, sync_every=H, outer_lr=0.7, outer_momentum=0.9, comm_backend_name="local",
+                            **kwargs)
+
+    model = _model()
+    opt = build(model)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) if scaler else None
+    for t in range(1, steps + 1):
+        if t == reload_at:
+            state, errors = opt.state_dict(), [(w.clone(), s.clone()) for w, s in opt.compression_errors()]
+            values = [p.detach().clone() for p in model.parameters()]
+            model = _model(seed=5)
+            opt = build(model)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), values):
+                    p.copy_(q)
+            opt.restore(state, errors)
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(0, t)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if grad_scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            grad_scaler.scale(loss).backward()
+            grad_scaler.step(opt)
+            grad_scaler.update()
+    return [p.detach().clone() for p in model.parameters()], opt
+
+
+def test_an_inner_torch_adamw_is_the_built_in_one_bit_for_bit():
+    """inner=torch.optim.AdamW gives the built-in fused AdamW's numbers exactly (two groups, 1-bit
+    outer steps with Nesterov momentum), keeps its state in its own optimizer (saved as "inner:"
+    entries), and shares OnebitDiLoCo's param groups: a scheduler reaches it."""
+    built_in, _ = _run_local()
+    torch_adamw, opt = _run_local(inner=torch.optim.AdamW)
+    assert all(torch.equal(a, b) for a, b in zip(built_in, torch_adamw))
+    assert opt.inner_optimizer.param_groups[1] is opt.param_groups[1]
+    entry = opt.state_dict()["state"][0]
+    assert {"inner:exp_avg", "inner:exp_avg_sq", "inner:step", "global_params"} <= set(entry)
+    assert "exp_avg" not in entry and "exp_avg" not in opt.state[opt.param_groups[0]["params"][0]]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5)
+    assert opt.inner_optimizer.param_groups[1]["lr"] == 3e-3 * 0.5
+    del scheduler
+
+
+@pytest.mark.parametrize("inner", [torch.optim.AdamW, functools.partial(torch.optim.SGD, momentum=0.9)],
+                         ids=["AdamW", "SGD"])
+def test_an_inner_optimizers_state_resumes_and_copies_exactly(inner):
+    """A state dict restored mid-round into a fresh optimizer continues bit for bit (the inner
+    optimizer's state included); copy.deepcopy and pickle carry it; GradScaler's unscaled
+    gradients reach the inner optimizer (a power-of-two scale: the unscaled run's numbers)."""
+    straight, opt = _run_local(inner=inner)
+    resumed, _ = _run_local(reload_at=5, inner=inner)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    for twin in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        for p, q in zip(opt.param_groups[0]["params"], twin.param_groups[0]["params"]):
+            for name, value in opt.inner_optimizer.state[p].items():
+                assert torch.equal(twin.inner_optimizer.state[q][name], value), name
+    scaled, _ = _run_local(inner=inner, scaler=True)
+    assert all(torch.equal(a, b) for a, b in zip(straight, scaled))
+
+
+def test_a_state_of_another_inner_is_refused():
+    """The built-in AdamW's state and an inner optimizer's do not load into each other; a state
+    after some steps that lacks the inner optimizer's entries (what a DCP load of a fresh
+    optimizer's template would give) is refused rather than the inner state silently restarted."""
+    _, built_in = _run_local(steps=4)
+    _, sgd = _run_local(steps=4, inner=functools.partial(torch.optim.SGD, momentum=0.9))
+    with pytest.raises(ValueError, match=r"saved by OnebitDiLoCo's built-in AdamW"):
+        _run_local(steps=1, inner=torch.optim.AdamW)[1].load_state_dict(built_in.state_dict())
+    with pytest.raises(ValueError, match=r"holds an inner optimizer's state.*same inner="):
+        _run_local(steps=1)[1].load_state_dict(sgd.state_dict())
+    stripped = sgd.state_dict()
+    stripped["state"] = {k: {n: v for n, v in e.items() if not n.startswith("inner:")} for k, e in stripped["state"].items()}
+    with pytest.raises(ValueError, match=r"holds no state of the inner optimizer.*onebit.save_checkpoint"):
+        _run_local(steps=1, inner=torch.optim.SGD)[1].load_state_dict(stripped)
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(inner=onebit.OnebitAdam), ValueError, r"inner=OnebitAdam\): a onebit optimizer communicates"),
+    (dict(inner="sgd"), TypeError, r"takes a torch.optim.Optimizer class or a callable .* got str"),
+    (dict(inner=lambda groups: object()), TypeError, r"returned a object, not a torch.optim.Optimizer"),
+    (dict(inner=lambda groups: torch.optim.SGD(_model().parameters())), ValueError, r"holds other param groups"),
+    (dict(inner=torch.optim.SGD, betas=(0.8, 0.9)), ValueError, r"betas=\(0.8, 0.9\) would be ignored: SGD has no betas"),
+    (dict(inner=torch.optim.SGD, eps=1e-6), ValueError, r"eps=1e-06 would be ignored"),
+    (dict(inner=torch.optim.AdamW, bias_correction=False), ValueError, r"bias_correction=False is an option of the built-in"),
+    (dict(inner=functools.partial(torch.optim.SGD, lr=0.1)), ValueError,
+     r"lr=0.1 given to the SGD would be ignored.*Pass lr=0.1 to OnebitDiLoCo"),
+    (dict(inner=functools.partial(torch.optim.AdamW, betas=(0.8, 0.9))), ValueError, r"betas=\(0.8, 0.9\) given to the AdamW"),
+])
+def test_bad_inner_is_refused(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        OnebitDiLoCo(_model().parameters(), comm_backend_name="local", **kwargs)
+
+
+def test_inner_refuses_momentum_masks():
+    model = _model()
+    with pytest.raises(ValueError, match=r"inner=...\) takes no momentum_masks"):
+        OnebitDiLoCo(model.parameters(), comm_backend_name="local", inner=torch.optim.SGD,
+                     momentum_masks={model[0].weight: torch.ones_like(model[0].weight)})
 
 
 def test_state_dict_round_trip_continues_bit_for_bit():

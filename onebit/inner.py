@@ -1,0 +1,184 @@
+"""OnebitDiLoCo's ``inner=``: any ``torch.optim.Optimizer`` takes the inner steps.
+
+The inner optimizer is built over OnebitDiLoCo's own param groups (the same dicts), so a learning
+rate scheduler, ``zero_grad`` and frozen layers reach it as they reach OnebitDiLoCo; its per-parameter
+state stays its own (``inner.state``) and travels in OnebitDiLoCo's state dict as entries named
+``"inner:<name>"`` beside each parameter's global parameters. Each inner step runs it once, on the
+gradients the engine read (unscaled under ``torch.amp.GradScaler``, none where a parameter has none).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["PREFIX", "build", "check_hyperparameters", "check_shared", "entries", "split", "apply", "step", "average"]
+
+#: the prefix of the inner optimizer's entries in a parameter's saved state
+PREFIX = "inner:"
+
+
+def build(factory: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """``factory(groups)``, checked: a ``torch.optim.Optimizer`` over exactly these group dicts."""
+    from .engine import OnebitOptimizer  # (a onebit optimizer would communicate at every inner step)
+
+    if inspect.isclass(factory) and issubclass(factory, OnebitOptimizer):
+        raise ValueError(f"OnebitDiLoCo(inner={factory.__name__}): a onebit optimizer communicates at its steps; the "
+                         "inner steps send nothing. Leave inner out for onebit's own fused AdamW, or pass a "
+                         "torch.optim optimizer (e.g. inner=torch.optim.AdamW)")
+    if not callable(factory):
+        raise TypeError(f"OnebitDiLoCo(inner=...) takes a torch.optim.Optimizer class or a callable that builds one "
+                        f"from param groups (e.g. functools.partial(torch.optim.SGD, momentum=0.9)), got "
+                        f"{type(factory).__name__}")
+    inner = factory(groups)
+    if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, OnebitOptimizer):
+        raise TypeError(f"OnebitDiLoCo(inner=...): the callable returned a {type(inner).__name__}, not a "
+                        "torch.optim.Optimizer (onebit's optimizers communicate; they cannot be an inner one)")
+    if len(inner.param_groups) != len(groups) or any(a is not b for a, b in zip(inner.param_groups, groups)):
+        raise ValueError(f"OnebitDiLoCo(inner=...): the {type(inner).__name__} it built holds other param groups than "
+                         "the ones it was given (it must own exactly OnebitDiLoCo's parameters, in its groups, so "
+                         "that schedulers and zero_grad reach it): build it from its argument, e.g. "
+                         "inner=lambda groups: torch.optim.SGD(groups, momentum=0.9)")
+    if "lr" not in inner.defaults:
+        raise ValueError(f"OnebitDiLoCo(inner=...): {type(inner).__name__} has no lr; OnebitDiLoCo's lr and "
+                         "learning-rate schedulers set the inner optimizer's")
+    return inner
+
+
+def check_hyperparameters(inner: torch.optim.Optimizer, groups: Iterable[Mapping[str, Any]],
+                          defaults: Mapping[str, Any]) -> None:
+    """A hyperparameter of OnebitDiLoCo's built-in AdamW that ``inner`` does not have must keep its
+    default (it would be ignored); ``bias_correction=False`` is not the inner optimizer's to take."""
+    for group in groups:
+        for key, default in defaults.items():
+            if key in ("lr", "params") or key in inner.defaults:
+                continue
+            value = group.get(key, default)
+            value = tuple(value) if isinstance(value, list) else value
+            if key == "bias_correction" and value is not True:
+                raise ValueError(f"OnebitDiLoCo(inner={type(inner).__name__}): bias_correction={value!r} is an "
+                                 "option of the built-in AdamW; the inner optimizer corrects as it does. Leave it out")
+            if key != "bias_correction" and value != default:
+                raise ValueError(f"OnebitDiLoCo(inner={type(inner).__name__}): {key}={value!r} would be ignored: "
+                                 f"{type(inner).__name__} has no {key}. Leave it out, or give the inner optimizer "
+                                 "its own settings (e.g. functools.partial(torch.optim.SGD, momentum=0.9))")
+
+
+def check_shared(inner: torch.optim.Optimizer, groups: Iterable[Mapping[str, Any]]) -> None:
+    """The hyperparameters the groups carry for both (``lr``, ``weight_decay``, ``betas``, ``eps``)
+    are OnebitDiLoCo's, as a group's values override an optimizer's defaults in torch: one given to
+    the inner optimizer's factory at another value would be ignored, so it is refused."""
+    try:
+        signature = inspect.signature(type(inner).__init__).parameters
+    except (TypeError, ValueError):
+        return
+    for key in ("lr", "weight_decay", "betas", "eps"):
+        if key not in inner.defaults or key not in signature or signature[key].default is inspect.Parameter.empty:
+            continue
+        given = inner.defaults[key]
+        if _same(given, signature[key].default):
+            continue
+        for group in groups:
+            if not _same(group.get(key), given):
+                raise ValueError(f"OnebitDiLoCo(inner=...): {key}={given!r} given to the {type(inner).__name__} would be "
+                                 f"ignored: the param groups' {key} ({group.get(key)!r}) is OnebitDiLoCo's and "
+                                 f"overrides it. Pass {key}={given!r} to OnebitDiLoCo instead")
+
+
+def _same(a: Any, b: Any) -> bool:
+    a = tuple(a) if isinstance(a, list) else a
+    b = tuple(b) if isinstance(b, list) else b
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return a is b
+
+
+def _params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
+    return [p for group in groups for p in group["params"]]
+
+
+def entries(inner: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The inner optimizer's state per parameter index (copies of its tensors), names prefixed."""
+    out = {}
+    for index, p in enumerate(_params(groups)):
+        state = inner.state.get(p)
+        if state:
+            out[index] = {PREFIX + name: value.clone() if isinstance(value, torch.Tensor) else value
+                          for name, value in state.items()}
+    return out
+
+
+def split(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[Any, dict[str, Any]]]:
+    """``state_dict`` without the inner optimizer's entries, and those entries (names unprefixed)
+    per parameter index; ``state_dict`` is not modified."""
+    state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    if not isinstance(state, Mapping):
+        return dict(state_dict) if isinstance(state_dict, Mapping) else state_dict, {}
+    kept, inner = {}, {}
+    for key, entry in state.items():
+        if not isinstance(entry, Mapping):
+            kept[key] = entry
+            continue
+        kept[key] = {name: value for name, value in entry.items() if not str(name).startswith(PREFIX)}
+        mine = {str(name)[len(PREFIX):]: value for name, value in entry.items() if str(name).startswith(PREFIX)}
+        if mine:
+            inner[key] = mine
+    return {**state_dict, "state": kept}, inner
+
+
+def apply(inner: torch.optim.Optimizer, groups: list[dict[str, Any]], saved: Mapping[Any, Mapping[str, Any]]) -> None:
+    """Replace the inner optimizer's state by ``saved`` (per parameter index): tensors copied to
+    their parameter's device, floating ones but ``step`` in its dtype, as torch.optim loads."""
+    state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    for index, p in enumerate(_params(groups)):
+        for name, value in saved.get(index, {}).items():
+            if isinstance(value, torch.Tensor):
+                if name == "step":
+                    value = value.clone()
+                elif value.is_floating_point():
+                    value = value.to(device=p.device, dtype=p.dtype, copy=True)
+                else:
+                    value = value.to(device=p.device, copy=True)
+            state[p][name] = value
+    inner.state = state
+
+
+def step(inner: torch.optim.Optimizer, owners: list[list[torch.Tensor]], grads: list[list[torch.Tensor | None]],
+         scaled: bool) -> None:
+    """One step of ``inner``. Its gradients are the parameters' own, but under GradScaler
+    (``scaled``), where the engine's ``grads`` (per bucket, per parameter of ``owners``) are the
+    unscaled copies: those are set as ``.grad`` for the step and the parameters' own put back."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    try:
+        for bucket_owners, bucket_grads in zip(owners, grads) if scaled else ():
+            for p, g in zip(bucket_owners, bucket_grads):
+                if g is None or p.grad is g:
+                    continue
+                if type(p.grad) is not torch.Tensor:
+                    raise ValueError("OnebitDiLoCo(inner=...) with torch.amp.GradScaler and sharded (DTensor) "
+                                     "parameters: call scaler.unscale_(optimizer) before scaler.step(optimizer)")
+                swapped.append((p, p.grad))
+                p.grad = g
+        inner.step()
+    finally:
+        for p, own in swapped:
+            p.grad = own
+
+
+def average(inner: torch.optim.Optimizer, mean_: Callable[[torch.Tensor], None]) -> None:
+    """Average the inner optimizer's floating-point state tensors over the ranks (``mean_`` in
+    place), in the order of its parameters (the same on every rank); scalars such as ``step``
+    advance alike everywhere and stay."""
+    for group in inner.param_groups:
+        for p in group["params"]:
+            for value in inner.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                    flat = value.view(-1) if value.is_contiguous() else value.reshape(-1).contiguous()
+                    mean_(flat)
+                    if flat.data_ptr() != value.data_ptr():
+                        value.copy_(flat.view_as(value))
