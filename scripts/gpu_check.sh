@@ -84,7 +84,7 @@ run() {
         echo "----"
     fi
     local last
-    last="$(grep -E '(passed|failed|error|skipped|no tests ran)' "$log" | tail -n 1)"
+    last="$(grep -E '\b(passed|failed|errors?|skipped|no tests ran)\b' "$log" | tail -n 1)"
     [ -z "$last" ] && last="$(tail -n 1 "$log")"
     ROWS+=("$(printf '%-13s %-16s %4ss  %s' "$name" "$detail" "$((SECONDS - began))" "${last:0:90}")")
 }
