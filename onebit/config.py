@@ -111,7 +111,7 @@ LOOP_SECTIONS: dict[str, str] = {
 }
 
 # Optimizer arguments that take Python objects: arguments of from_config instead.
-_NOT_IN_FILES = ("params", "backend", "group", "momentum_masks")
+_NOT_IN_FILES = ("params", "backend", "group", "momentum_masks", "inner")
 
 
 class ConfigError(ValueError, TypeError):
@@ -265,6 +265,9 @@ def _param_problem(kind: str, cls: type[OnebitOptimizer], key: Any, value: Any) 
     if key in foreign:
         return ValueError(f"optimizer.params.{key} is not a setting of {kind} ({foreign[key]}): "
                           f"remove {key!r} from the config")
+    if key == "inner" and "inner" in inspect.signature(cls.__init__).parameters:
+        return ValueError("optimizer.params.inner cannot be written in a file (it is a torch.optim optimizer class "
+                          "or factory): remove it and pass from_config(params, config, inner=...) instead")
     if key not in keys:
         valid = ", ".join(repr(k) for k in keys)
         return ValueError(f"unknown key {key!r} in optimizer.params of {kind}; expected some of {valid}")
@@ -279,6 +282,7 @@ def from_config(
     backend: CommBackend | None = None,
     group: Any = None,
     momentum_masks: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    inner: Any = None,
 ) -> OnebitOptimizer:
     """Build a ready :class:`OnebitAdam`, :class:`OnebitLamb` or :class:`ZeroOneAdam` (with its
     backend) from a DeepSpeed-style config.
@@ -293,6 +297,8 @@ def from_config(
         group: the torch.distributed process group or mpi4py communicator of the data-parallel
             ranks (default: the whole job).
         momentum_masks: ``{param: mask}``, as for the optimizer (not expressible in a file).
+        inner: OnebitDiLoCo's inner optimizer (a ``torch.optim`` class or factory; not expressible
+            in a file); only with a ``"OneBitDiLoCo"`` config.
 
     Raises:
         ValueError / TypeError: a missing optimizer section, another optimizer type, an unknown
@@ -305,6 +311,11 @@ def from_config(
             f"the config sets comm_backend_name={kwargs['comm_backend_name']!r} and backend= was passed too; "
             "remove comm_backend_name from the config or do not pass backend="
         )
+    if inner is not None:
+        if "inner" not in inspect.signature(cls.__init__).parameters:
+            raise ValueError(f"from_config(inner=...) applies to OneBitDiLoCo configs; this config's optimizer is "
+                             f"{config['optimizer'].get('type')!r}: leave inner out")
+        kwargs["inner"] = inner
     optimizer = cls(params, backend=backend, group=group, momentum_masks=momentum_masks, **kwargs)
     if others and optimizer.backend.rank == 0:
         _tell_sections(config, others)

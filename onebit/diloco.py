@@ -283,7 +283,7 @@ class OnebitDiLoCo(OnebitOptimizer):
         if inner is not None:
             self._inner = inner_optimizer.build(inner, self.param_groups)
             inner_optimizer.check_hyperparameters(self._inner, self.param_groups, self._builtin_defaults())
-            inner_optimizer.check_shared(self._inner, self.param_groups)
+            inner_optimizer.check_shared(self._inner, self.param_groups, inner)
         if fragments > 1 and len(self._buckets) < fragments:
             numels = [local(p).numel() for b in self._buckets for p in b.owners]
             raise ValueError(
@@ -326,10 +326,14 @@ class OnebitDiLoCo(OnebitOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """:meth:`onebit.engine.OnebitOptimizer.add_param_group`; with ``inner=``, the inner optimizer
         takes the same group."""
+        inner = getattr(self, "_inner", None)
+        if inner is not None and isinstance(param_group, Mapping):  # (checked before anything changes)
+            candidate = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+            inner_optimizer.check_hyperparameters(inner, [candidate], self._builtin_defaults())
+            inner_optimizer.check_shared(inner, [{**inner.defaults, **candidate}], self._inner_factory)
         super().add_param_group(param_group)
-        if getattr(self, "_inner", None) is not None:
-            self._inner.add_param_group(self.param_groups[-1])
-            inner_optimizer.check_hyperparameters(self._inner, self.param_groups[-1:], self._builtin_defaults())
+        if inner is not None:
+            inner.add_param_group(self.param_groups[-1])
 
     @classmethod
     def _builtin_defaults(cls) -> dict[str, Any]:
@@ -455,7 +459,9 @@ class OnebitDiLoCo(OnebitOptimizer):
         """With ``inner=``, the inner optimizer's step over every parameter first; then each bucket's
         update (an outer step computes its pseudo-gradient from the parameters it left)."""
         if self._inner is not None:
+            plan = self.plan_for(r.t)
             inner_optimizer.step(self._inner, [b.owners for b in self._buckets], grads,
+                                 [self._present(b, plan) for b in self._buckets],
                                  scaled=getattr(self, "grad_scale", None) is not None)
         super()._update(r, grads, compressed, averaged)
 
@@ -614,42 +620,32 @@ class OnebitDiLoCo(OnebitOptimizer):
 
     def _build_state_dict(self) -> dict[str, Any]:
         """With ``inner=``, each parameter's entry also holds the inner optimizer's state (copies),
-        its names prefixed ``"inner:"``."""
+        its names prefixed ``"inner:"``, and each group says which inner optimizer saved it and how
+        many of its parameters have inner state (``"inner_optimizer"``, ``"inner_states"``)."""
         state_dict = super()._build_state_dict()
         if self._inner is not None:
-            for index, entry in inner_optimizer.entries(self._inner, self.param_groups).items():
+            entries = inner_optimizer.entries(self._inner, self.param_groups)
+            for index, entry in entries.items():
                 state_dict["state"][index] = {**state_dict["state"].get(index, {}), **entry}
+            for group in state_dict["param_groups"]:
+                group[inner_optimizer.NAME_KEY] = type(self._inner).__name__
+                group[inner_optimizer.COUNT_KEY] = sum(index in entries for index in group["params"])
         return state_dict
 
     def restore(self, state_dict: dict[str, Any],
                 compression_errors: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """:meth:`onebit.engine.OnebitOptimizer.restore`; with ``inner=``, the inner optimizer's state
-        too. A state dict of the built-in AdamW (``inner`` left out) and one of an inner optimizer
-        do not load into each other."""
-        stripped, saved = inner_optimizer.split(state_dict)
-        entries = stripped.get("state", {}) if isinstance(stripped, Mapping) else {}
-        builtin = any(isinstance(e, Mapping) and "exp_avg" in e for e in entries.values())
-        if self._inner is None and saved:
-            raise ValueError("cannot load optimizer state: it holds an inner optimizer's state (saved by "
-                             "OnebitDiLoCo(inner=...)); build this OnebitDiLoCo with the same inner=")
-        if self._inner is not None and builtin:
-            raise ValueError("cannot load optimizer state: it was saved by OnebitDiLoCo's built-in AdamW (inner left "
-                             f"out), not by an inner {type(self._inner).__name__}; build it without inner=, or start "
-                             "the inner optimizer afresh by loading a state dict without its exp_avg entries")
-        if self._inner is not None and not saved and stripped.get("param_groups") and self._has_steps(stripped):
-            raise ValueError("cannot load optimizer state: it holds no state of the inner optimizer although it was "
-                             "saved after some steps (torch.distributed.checkpoint loads only the entries the fresh "
-                             "optimizer's state_dict() has, and a fresh inner optimizer has none): save and load with "
-                             "onebit.save_checkpoint / load_checkpoint, or optimizer.state_dict() and torch.save")
-        super().restore(stripped if self._inner is not None else state_dict, compression_errors)
-        if self._inner is not None:
-            inner_optimizer.apply(self._inner, self.param_groups, saved)
-
-    @staticmethod
-    def _has_steps(state_dict: Mapping[str, Any]) -> bool:
-        groups = state_dict.get("param_groups") or [{}]
-        meta = groups[0].get("onebit", {}) if isinstance(groups[0], Mapping) else {}
-        return isinstance(meta, Mapping) and bool(meta.get("step", 0))
+        too. A state dict of the built-in AdamW (``inner`` left out) and one of an inner optimizer,
+        or of another inner optimizer, do not load into each other."""
+        if self._inner is None:
+            if inner_optimizer.saved_by(state_dict):
+                raise ValueError(f"cannot load optimizer state: it was saved by OnebitDiLoCo(inner="
+                                 f"{inner_optimizer.saved_by(state_dict)}); build this OnebitDiLoCo with the same inner=")
+            super().restore(state_dict, compression_errors)
+            return
+        stripped, saved = inner_optimizer.check_saved(state_dict, type(self._inner).__name__)
+        super().restore(stripped, compression_errors)
+        inner_optimizer.apply(self._inner, self.param_groups, saved)
 
     def _check_same_start(self) -> None:
         """The first outer step: every rank must have started from the same global parameters."""

@@ -9,6 +9,7 @@ gradients the engine read (unscaled under ``torch.amp.GradScaler``, none where a
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -16,10 +17,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["PREFIX", "build", "check_hyperparameters", "check_shared", "entries", "split", "apply", "step", "average"]
+from .state import is_torch_adam_state_dict
+
+__all__ = ["PREFIX", "NAME_KEY", "COUNT_KEY", "saved_by", "check_saved",
+           "build", "check_hyperparameters", "check_shared", "entries", "split", "apply", "step", "average"]
 
 #: the prefix of the inner optimizer's entries in a parameter's saved state
 PREFIX = "inner:"
+#: the keys of a saved param group that name the inner optimizer and count its parameters with state
+NAME_KEY, COUNT_KEY = "inner_optimizer", "inner_states"
 
 
 def build(factory: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -68,19 +74,25 @@ def check_hyperparameters(inner: torch.optim.Optimizer, groups: Iterable[Mapping
                                  "its own settings (e.g. functools.partial(torch.optim.SGD, momentum=0.9))")
 
 
-def check_shared(inner: torch.optim.Optimizer, groups: Iterable[Mapping[str, Any]]) -> None:
+def check_shared(inner: torch.optim.Optimizer, groups: Iterable[Mapping[str, Any]], factory: Any = None) -> None:
     """The hyperparameters the groups carry for both (``lr``, ``weight_decay``, ``betas``, ``eps``)
     are OnebitDiLoCo's, as a group's values override an optimizer's defaults in torch: one given to
-    the inner optimizer's factory at another value would be ignored, so it is refused."""
+    the inner optimizer's factory at another value would be ignored, so it is refused. Given: the
+    keywords of a ``functools.partial`` ``factory``, else a default other than the class's."""
+    explicit = factory.keywords if isinstance(factory, functools.partial) else {}
     try:
         signature = inspect.signature(type(inner).__init__).parameters
     except (TypeError, ValueError):
-        return
+        signature = {}
     for key in ("lr", "weight_decay", "betas", "eps"):
-        if key not in inner.defaults or key not in signature or signature[key].default is inspect.Parameter.empty:
+        if key not in inner.defaults:
             continue
-        given = inner.defaults[key]
-        if _same(given, signature[key].default):
+        if key in explicit:
+            given = explicit[key]
+        elif key in signature and signature[key].default is not inspect.Parameter.empty \
+                and not _same(inner.defaults[key], signature[key].default):
+            given = inner.defaults[key]
+        else:
             continue
         for group in groups:
             if not _same(group.get(key), given):
@@ -131,6 +143,44 @@ def split(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[Any, dict
     return {**state_dict, "state": kept}, inner
 
 
+def saved_by(state_dict: Any) -> str | None:
+    """The inner optimizer a state dict was saved with (None: none, or not a state dict)."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    names = {g.get(NAME_KEY) for g in groups if isinstance(g, Mapping)} if isinstance(groups, (list, tuple)) else set()
+    names.discard(None)
+    return ", ".join(sorted(map(str, names))) or None
+
+
+def check_saved(state_dict: Any, name: str) -> tuple[Any, dict[Any, dict[str, Any]]]:
+    """For an optimizer whose inner optimizer is a ``name``: ``state_dict`` without the inner
+    optimizer's entries and its groups' inner keys, and those entries (per saved parameter key);
+    ValueError where it was saved by another optimizer or lost the entries on the way."""
+    if is_torch_adam_state_dict(state_dict):
+        raise ValueError("cannot load optimizer state: this is a torch.optim state dict; OnebitDiLoCo(inner=...) loads "
+                         "the state dicts of an OnebitDiLoCo with the same inner optimizer")
+    stripped, saved = split(state_dict)
+    groups = stripped.get("param_groups") if isinstance(stripped, Mapping) else None
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+        return stripped, saved  # (the engine's checks say what is wrong with it)
+    by = saved_by(stripped)
+    if by is None:
+        raise ValueError(f"cannot load optimizer state: it was saved by OnebitDiLoCo without inner= (its built-in "
+                         f"AdamW), not with an inner {name}; load it into an OnebitDiLoCo built without inner=")
+    if by != name:
+        raise ValueError(f"cannot load optimizer state: it was saved with inner={by}, this OnebitDiLoCo's inner "
+                         f"optimizer is a {name}; build it with the same inner=")
+    for g, group in enumerate(groups):
+        found = sum(key in saved for key in group.get("params", ()))
+        if found < group.get(COUNT_KEY, 0):
+            raise ValueError(f"cannot load optimizer state: param group {g} had {group.get(COUNT_KEY)} parameters with "
+                             f"inner optimizer state when saved, the state dict holds {found} (torch.distributed."
+                             "checkpoint loads only the entries a fresh optimizer's state_dict() has, and a fresh "
+                             "inner optimizer has none): save and load with onebit.save_checkpoint / load_checkpoint, "
+                             "or optimizer.state_dict() and torch.save")
+    kept = [{k: v for k, v in group.items() if k not in (NAME_KEY, COUNT_KEY)} for group in groups]
+    return {**stripped, "param_groups": kept}, saved
+
+
 def apply(inner: torch.optim.Optimizer, groups: list[dict[str, Any]], saved: Mapping[Any, Mapping[str, Any]]) -> None:
     """Replace the inner optimizer's state by ``saved`` (per parameter index): tensors copied to
     their parameter's device, floating ones but ``step`` in its dtype, as torch.optim loads."""
@@ -149,21 +199,30 @@ def apply(inner: torch.optim.Optimizer, groups: list[dict[str, Any]], saved: Map
 
 
 def step(inner: torch.optim.Optimizer, owners: list[list[torch.Tensor]], grads: list[list[torch.Tensor | None]],
-         scaled: bool) -> None:
-    """One step of ``inner``. Its gradients are the parameters' own, but under GradScaler
-    (``scaled``), where the engine's ``grads`` (per bucket, per parameter of ``owners``) are the
-    unscaled copies: those are set as ``.grad`` for the step and the parameters' own put back."""
+         present: list[list[bool]], scaled: bool) -> None:
+    """One step of ``inner`` over exactly the parameters the engine steps: those of its buckets
+    (``owners``, per bucket) that are ``present``. Every other parameter's ``.grad`` is hidden for
+    the step (a frozen parameter's stale gradient, a group left alone at an outer step with lr 0),
+    and under GradScaler (``scaled``) the engine's unscaled ``grads`` stand in for the parameters'
+    own; everything is put back afterwards."""
+    stepped = {id(p): (g, here) for bucket_owners, bucket_grads, bucket_present in zip(owners, grads, present)
+               for p, g, here in zip(bucket_owners, bucket_grads, bucket_present)}
     swapped: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     try:
-        for bucket_owners, bucket_grads in zip(owners, grads) if scaled else ():
-            for p, g in zip(bucket_owners, bucket_grads):
-                if g is None or p.grad is g:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
                     continue
-                if type(p.grad) is not torch.Tensor:
-                    raise ValueError("OnebitDiLoCo(inner=...) with torch.amp.GradScaler and sharded (DTensor) "
-                                     "parameters: call scaler.unscale_(optimizer) before scaler.step(optimizer)")
-                swapped.append((p, p.grad))
-                p.grad = g
+                g, here = stepped.get(id(p), (None, False))
+                if not here:
+                    swapped.append((p, p.grad))
+                    p.grad = None
+                elif scaled and g is not None and g is not p.grad:
+                    if type(p.grad) is not torch.Tensor:
+                        raise ValueError("OnebitDiLoCo(inner=...) with torch.amp.GradScaler and sharded (DTensor) "
+                                         "parameters: call scaler.unscale_(optimizer) before scaler.step(optimizer)")
+                    swapped.append((p, p.grad))
+                    p.grad = g
         inner.step()
     finally:
         for p, own in swapped:

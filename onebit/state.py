@@ -78,6 +78,21 @@ def release_lazy(state: dict[Any, Any], bucket: Bucket, name: str) -> None:
             state[p].pop(name, None)
 
 
+def _own_entry(spec: StateSpec, p: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A frozen parameter's loaded state, in tensors of its own: buffers as float32 tensors of the
+    parameter's (local) shape and device, scalars as 0-d float64 tensors, other entries copied."""
+    device = local(p).device
+    own: dict[str, Any] = {}
+    for name, value in entry.items():
+        if name in spec.buffers:
+            own[name] = value.detach().to(device=device, dtype=torch.float32, copy=True)
+        elif name in spec.owned:
+            own[name] = torch.tensor(float(value), dtype=torch.float64, device=device)
+        else:
+            own[name] = copy.deepcopy(value)
+    return own
+
+
 def build_state_dict(spec: StateSpec, meta: Mapping[str, Any], groups: list[dict[str, Any]],
                      state: Mapping[Any, Any]) -> dict[str, Any]:
     """The state dict of ``groups`` and ``state``; ``meta``: the algorithm, step and schedule."""
@@ -142,8 +157,9 @@ def validate_state_dict(spec: StateSpec, owner: str, sd: Any, groups: list[dict[
         _fail(f"'state' must be a dict, got {type(saved_state).__name__}")
     entries: dict[int, dict[str, Any]] = {}
     for key, (index, p) in params_by_key.items():
-        if p not in state:
-            continue  # not trainable here (requires_grad=False): nothing to restore
+        if p not in state and saved_state.get(key) is None:
+            continue  # not trainable here (requires_grad=False) and nothing saved for it
+        # (a parameter frozen here keeps what was saved for it until it trains again, as in the run that saved it)
         entries[index] = _validate_entry(spec, index, p, saved_state.get(key))
     others = {key: value for key, value in saved_state.items() if key not in params_by_key}
     index_of = {id(p): index for index, p in params_by_key.values()}
@@ -372,12 +388,19 @@ def apply_state(spec: StateSpec, loaded: LoadedState, groups: list[dict[str, Any
         present = entry_of[id(bucket.owners[0])]
         for name in spec.lazy:
             (allocate_lazy if name in present else release_lazy)(state, bucket, name)
+    in_buckets = {id(p) for bucket in buckets for p in bucket.owners}
     index = 0
     for group, hyper in zip(groups, loaded.hyperparameters):
         for p in group["params"]:
             if p in state:  # as torch: the state is what was saved, entries of other tools included
                 for name in [name for name in state[p] if name not in spec.owned]:
                     del state[p][name]
+            if id(p) not in in_buckets:  # frozen here: its saved state as tensors of its own (see _rebuild_buckets)
+                state.pop(p, None)
+                if index in loaded.entries:
+                    state[p] = _own_entry(spec, p, loaded.entries[index])
+                index += 1
+                continue
             for name, value in loaded.entries.get(index, {}).items():
                 if name in spec.buffers:
                     state[p][name].copy_(value)

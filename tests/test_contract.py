@@ -243,6 +243,33 @@ def test_a_layer_frozen_and_unfrozen_keeps_its_state(case):
     assert not all_equal(clone_params(model[0].parameters()), weights)
 
 
+@pytest.mark.parametrize("how", ["restore", "deepcopy"])
+def test_a_frozen_parameters_state_survives_a_load(case, how):
+    """A layer frozen when the state is saved: an optimizer built with the layer frozen takes its
+    saved state (an exact resume, or a copy) and, once it is unfrozen, continues as the run that
+    never stopped (the state waiting for it was dropped on load before)."""
+    def run(reload: bool) -> list[torch.Tensor]:
+        model = _model()
+        opt = case.make(model.parameters())
+        _train(model, opt, 1, 4)
+        model[0].requires_grad_(False)
+        _train(model, opt, 4, 6)
+        if reload and how == "deepcopy":
+            model, opt = copy.deepcopy((model, opt))
+        elif reload:
+            twin = _model(seed=3)
+            twin.load_state_dict(model.state_dict())
+            twin[0].requires_grad_(False)
+            fresh = case.make(twin.parameters())
+            fresh.restore(opt.state_dict(), opt.compression_errors())
+            model, opt = twin, fresh
+        model[0].requires_grad_(True)
+        _train(model, opt, 6, STEPS + 1)
+        return clone_params(model.parameters())
+
+    assert all_equal(run(True), run(False))
+
+
 # ----------------------------------------------------------------------------- learning rate 0
 
 

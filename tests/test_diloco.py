@@ -447,19 +447,75 @@ def test_an_inner_optimizers_state_resumes_and_copies_exactly(inner):
     assert all(torch.equal(a, b) for a, b in zip(straight, scaled))
 
 
+def _awkward(inner, steps: int = 10) -> list[torch.Tensor]:
+    """zero_grad(set_to_none=False), a layer frozen for steps 3 to 5 (keeping its stale gradient),
+    the second group's lr 0 at the outer step 6: what the engine leaves alone, the inner optimizer
+    must leave alone too (parameters and state)."""
+    model = _model()
+    groups = [{"params": [model[0].weight, model[2].weight]}, {"params": [model[0].bias, model[2].bias]}]
+    opt = OnebitDiLoCo(groups, lr=LR, sync_every=H, outer_momentum=0.9, outer_lr=0.7, comm_backend_name="local",
+                       inner=inner)
+    for t in range(1, steps + 1):
+        model[0].weight.requires_grad_(not 3 <= t <= 5)
+        opt.param_groups[1]["lr"] = 0.0 if t == 6 else LR
+        opt.zero_grad(set_to_none=False)
+        _backward(model, 0, t)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_an_inner_optimizer_steps_only_what_the_engine_steps():
+    assert all(torch.equal(a, b) for a, b in zip(_awkward(None), _awkward(torch.optim.AdamW)))
+
+
+def test_a_stateless_inner_optimizer_saves_loads_and_copies():
+    """torch.optim.SGD without momentum keeps no state: its state dict loads, and copies work."""
+    straight, opt = _run_local(inner=torch.optim.SGD)
+    resumed, _ = _run_local(reload_at=5, inner=torch.optim.SGD)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    assert len(copy.deepcopy(opt).inner_optimizer.state) == 0
+    assert opt.state_dict()["param_groups"][0]["inner_states"] == 0
+
+
+def test_a_refused_param_group_changes_nothing():
+    model = _model()
+    opt = OnebitDiLoCo([model[0].weight, model[0].bias], comm_backend_name="local", inner=torch.optim.SGD)
+    with pytest.raises(ValueError, match="betas=.* would be ignored"):
+        opt.add_param_group({"params": [model[2].weight, model[2].bias], "betas": (0.8, 0.9)})
+    assert len(opt.param_groups) == len(opt.inner_optimizer.param_groups) == 1
+    assert model[2].weight not in opt.state
+
+
+def test_inner_through_from_config():
+    cfg = {"optimizer": {"type": "OneBitDiLoCo", "params": {"lr": 1e-3, "comm_backend_name": "local"}}}
+    assert isinstance(onebit.from_config(_model().parameters(), cfg, inner=torch.optim.SGD).inner_optimizer,
+                      torch.optim.SGD)
+    cfg["optimizer"]["params"]["inner"] = "AdamW"
+    with pytest.raises(ValueError, match=r"optimizer.params.inner cannot be written in a file.*from_config\("):
+        onebit.from_config(_model().parameters(), cfg)
+    adam = {"optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "local"}}}
+    with pytest.raises(ValueError, match=r"applies to OneBitDiLoCo configs"):
+        onebit.from_config(_model().parameters(), adam, inner=torch.optim.SGD)
+
+
 def test_a_state_of_another_inner_is_refused():
     """The built-in AdamW's state and an inner optimizer's do not load into each other; a state
     after some steps that lacks the inner optimizer's entries (what a DCP load of a fresh
     optimizer's template would give) is refused rather than the inner state silently restarted."""
     _, built_in = _run_local(steps=4)
     _, sgd = _run_local(steps=4, inner=functools.partial(torch.optim.SGD, momentum=0.9))
-    with pytest.raises(ValueError, match=r"saved by OnebitDiLoCo's built-in AdamW"):
+    with pytest.raises(ValueError, match=r"saved by OnebitDiLoCo without inner= \(its built-in AdamW\)"):
         _run_local(steps=1, inner=torch.optim.AdamW)[1].load_state_dict(built_in.state_dict())
-    with pytest.raises(ValueError, match=r"holds an inner optimizer's state.*same inner="):
+    with pytest.raises(ValueError, match=r"saved by OnebitDiLoCo\(inner=SGD\); build this OnebitDiLoCo with the same"):
         _run_local(steps=1)[1].load_state_dict(sgd.state_dict())
+    with pytest.raises(ValueError, match=r"saved with inner=SGD, this OnebitDiLoCo's inner optimizer is a AdamW"):
+        _run_local(steps=1, inner=torch.optim.AdamW)[1].load_state_dict(sgd.state_dict())
+    torch_adamw = torch.optim.AdamW(_model().parameters()).state_dict()
+    with pytest.raises(ValueError, match=r"this is a torch.optim state dict"):
+        _run_local(steps=1, inner=torch.optim.AdamW)[1].load_state_dict(torch_adamw)
     stripped = sgd.state_dict()
     stripped["state"] = {k: {n: v for n, v in e.items() if not n.startswith("inner:")} for k, e in stripped["state"].items()}
-    with pytest.raises(ValueError, match=r"holds no state of the inner optimizer.*onebit.save_checkpoint"):
+    with pytest.raises(ValueError, match=r"parameters with inner optimizer state when saved.*onebit.save_checkpoint"):
         _run_local(steps=1, inner=torch.optim.SGD)[1].load_state_dict(stripped)
 
 
@@ -474,6 +530,8 @@ def test_a_state_of_another_inner_is_refused():
     (dict(inner=functools.partial(torch.optim.SGD, lr=0.1)), ValueError,
      r"lr=0.1 given to the SGD would be ignored.*Pass lr=0.1 to OnebitDiLoCo"),
     (dict(inner=functools.partial(torch.optim.AdamW, betas=(0.8, 0.9))), ValueError, r"betas=\(0.8, 0.9\) given to the AdamW"),
+    (dict(inner=functools.partial(torch.optim.SGD, weight_decay=0.0)), ValueError,
+     r"weight_decay=0.0 given to the SGD would be ignored"),
 ])
 def test_bad_inner_is_refused(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):

@@ -111,6 +111,11 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
             runs[f"{name}_bits3"] = ({**params, "outer_bits": 3}, adam, kind)
             for block in (128, 1024):
                 runs[f"{name}_block{block}"] = ({**params, "scale_block_size": block}, adam, kind)
+    for fragments in (2, 4):  # fragments=P (Streaming DiLoCo's, without overlap), at H 32: the classic scheme
+        # and the defaults (two passes, the residual in the model)
+        for name in ("diloco_h32", "diloco_h32_bits2_model"):
+            params, adam, kind = runs[name]
+            runs[f"{name}_frag{fragments}"] = ({**params, "fragments": fragments}, adam, kind)
     for block in (128, 1024, 4096):
         for base in ("ds", "demo"):
             params, adam, kind = runs[f"{base}_onebit"]
