@@ -364,3 +364,29 @@ def test_hsdp_quick_onebit_sends_a_fraction_of_hsdp_adamw_bytes_and_keeps_half_t
     assert ddp["state_keys"] == onebit["state_keys"]
     assert {t["target"] for t in json.loads((tmp_path / "hsdp_quick.json").read_text())["targets"]} >= {
         "optimizer state per rank <= 0.55x the unsharded optimizer's (ddp_onebit)"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_diloco_workers_quick_inner_steps_stay_inside_the_nodes(tmp_path):
+    """``benchmarks/diloco_workers.py --quick``: OnebitDiLoCo with workers of 2 ranks (DDP or FSDP2
+    inside each emulated node) at 1 Gbit/s between the nodes: an inner step sends nothing between
+    the nodes (barriers aside) and DDP's gradient all-reduce inside; an outer step sends the 1-bit
+    pseudo-gradient, each DDP rank the whole model's, each FSDP2 rank its shard's."""
+    _run_two_node_quick("diloco_workers.py", tmp_path)
+    assert (tmp_path / "diloco_workers_quick.md").read_text().startswith("# OnebitDiLoCo, workers of 2 ranks")
+    (run,) = json.loads((tmp_path / "diloco_workers_quick.json").read_text())["runs"]
+    configs, numel = run["configs"], run["numel"]
+    assert set(configs) == {"ddp_adam", "ddp_inner", "ddp_outer", "fsdp_inner", "fsdp_outer"}
+    one_bit_pass = numel / 8  # bytes of one rank's 1-bit all-reduce of the whole model over 2 ranks, about
+    for inside in ("ddp", "fsdp"):
+        inner, outer = configs[f"{inside}_inner"], configs[f"{inside}_outer"]
+        assert inner["veth_tx_bytes_max"] < 16384 < one_bit_pass  # barriers only
+        assert all(b == 0 for b in inner["bytes_sent_per_rank"])
+        assert outer["veth_tx_bytes_max"] > one_bit_pass
+    assert configs["ddp_inner"]["lo_tx_bytes_max"] > 4 * numel  # the fp32 gradient all-reduce inside the node
+    ddp_sent, fsdp_sent = configs["ddp_outer"]["bytes_sent_per_rank"], configs["fsdp_outer"]["bytes_sent_per_rank"]
+    assert all(1.8 * one_bit_pass < b < 2.6 * one_bit_pass for b in ddp_sent)  # two passes of the whole model
+    assert all(0.4 * d < f < 0.6 * d for d, f in zip(ddp_sent, fsdp_sent))  # the shard's
+    assert configs["ddp_adam"]["veth_tx_bytes_max"] > 4 * numel / 2
+    assert {f"{inside}_h{h}" for inside in ("ddp", "fsdp") for h in (8, 16, 32, 64)} == set(run["utilisation"])
