@@ -598,25 +598,12 @@ class OnebitDiLoCo(OnebitOptimizer):
                 self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg"])
                 self._backend.inner.all_reduce_mean_(bucket.buffers["exp_avg_sq"])
         if self._inner is not None:
-            self._check_same_inner_state()
+            inner_optimizer.check_same_entries(self._inner, self._backend.inner, self._device())
             inner_optimizer.average(self._inner, self._backend.inner.all_reduce_mean_)
         self._synced_at = self._step
         if self._speaks:
             logger.info("onebit: synchronize() after step %d: parameters and inner moments averaged over %d ranks",
                         self._step, self._backend.world_size)
-
-    def _check_same_inner_state(self) -> None:
-        """Before averaging the inner optimizer's state: every rank must hold the same entries (a
-        parameter that had a gradient on some ranks only has state there), else the averages would
-        not pair up."""
-        names = [(i, name, tuple(v.shape)) for i, p in enumerate(p for g in self._inner.param_groups for p in g["params"])
-                 for name, v in self._inner.state.get(p, {}).items() if isinstance(v, torch.Tensor)]
-        digest = torch.tensor(list(repr(names).encode()), dtype=torch.uint8)
-        differ = ranks_holding_other(self._backend.inner, [digest], self._device())
-        if differ:
-            raise RuntimeError(f"OnebitDiLoCo.synchronize(): the inner optimizer's state on ranks {differ} has other "
-                               "entries than on rank 0 (a parameter had a gradient on some ranks only); nothing was "
-                               "averaged. Give every parameter a gradient on every rank before synchronize()")
 
     def _build_state_dict(self) -> dict[str, Any]:
         """With ``inner=``, each parameter's entry also holds the inner optimizer's state (copies),
@@ -624,12 +611,7 @@ class OnebitDiLoCo(OnebitOptimizer):
         many of its parameters have inner state (``"inner_optimizer"``, ``"inner_states"``)."""
         state_dict = super()._build_state_dict()
         if self._inner is not None:
-            entries = inner_optimizer.entries(self._inner, self.param_groups)
-            for index, entry in entries.items():
-                state_dict["state"][index] = {**state_dict["state"].get(index, {}), **entry}
-            for group in state_dict["param_groups"]:
-                group[inner_optimizer.NAME_KEY] = type(self._inner).__name__
-                group[inner_optimizer.COUNT_KEY] = sum(index in entries for index in group["params"])
+            inner_optimizer.save_into(state_dict, self._inner, self.param_groups)
         return state_dict
 
     def restore(self, state_dict: dict[str, Any],

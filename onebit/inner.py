@@ -19,7 +19,7 @@ import torch
 
 from .state import is_torch_adam_state_dict
 
-__all__ = ["PREFIX", "NAME_KEY", "COUNT_KEY", "saved_by", "check_saved",
+__all__ = ["PREFIX", "NAME_KEY", "COUNT_KEY", "save_into", "check_same_entries", "saved_by", "check_saved",
            "build", "check_hyperparameters", "check_shared", "entries", "split", "apply", "step", "average"]
 
 #: the prefix of the inner optimizer's entries in a parameter's saved state
@@ -123,6 +123,34 @@ def entries(inner: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> dict[
             out[index] = {PREFIX + name: value.clone() if isinstance(value, torch.Tensor) else value
                           for name, value in state.items()}
     return out
+
+
+def save_into(state_dict: dict[str, Any], inner: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Add the inner optimizer's state to OnebitDiLoCo's ``state_dict`` (built from ``groups``):
+    its entries beside each parameter's, and in each saved group its name and how many of the
+    group's parameters have inner state (what :func:`check_saved` reads back)."""
+    saved = entries(inner, groups)
+    for index, entry in saved.items():
+        state_dict["state"][index] = {**state_dict["state"].get(index, {}), **entry}
+    for group in state_dict["param_groups"]:
+        group[NAME_KEY] = type(inner).__name__
+        group[COUNT_KEY] = sum(index in saved for index in group["params"])
+
+
+def check_same_entries(inner: torch.optim.Optimizer, backend: Any, device: torch.device) -> None:
+    """Before averaging the inner optimizer's state over ``backend``'s ranks: every rank must hold
+    the same entries (a parameter that had a gradient on some ranks only has state there), else
+    the averages would not pair up."""
+    from .layout import ranks_holding_other
+
+    names = [(i, name, tuple(v.shape)) for i, p in enumerate(p for g in inner.param_groups for p in g["params"])
+             for name, v in inner.state.get(p, {}).items() if isinstance(v, torch.Tensor)]
+    digest = torch.tensor(list(repr(names).encode()), dtype=torch.uint8)
+    differ = ranks_holding_other(backend, [digest], device)
+    if differ:
+        raise RuntimeError(f"OnebitDiLoCo.synchronize(): the inner optimizer's state on ranks {differ} has other "
+                           "entries than on rank 0 (a parameter had a gradient on some ranks only); nothing was "
+                           "averaged. Give every parameter a gradient on every rank before synchronize()")
 
 
 def split(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[Any, dict[str, Any]]]:
