@@ -20,6 +20,7 @@ from .layout import ranks_holding_other
 from .plan import StepPlan
 from .spec import Schedule, Setting, StateSpec
 from .exact import ExactAverage
+from .streaming import DelayedSync
 from .shards import local
 from .validation import DEEPSPEED_COMMON_REFUSED, TORCH_FLAGS, check_choice, check_flag, check_number, is_int
 
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OnebitDiLoCo", "INNER", "OUTER"]
 
-INNER = StepPlan("inner")  # an AdamW step on the local gradient; nothing is sent
+INNER = StepPlan("inner")  # an AdamW step on the local gradient (and an outer step's exchange in flight, finished)
 OUTER = StepPlan("outer", compress=True)  # the inner step, then the 1-bit average of the pseudo-gradient
 COMPRESSIONS = ("onebit", "none")
 #: where the part of the pseudo-gradient that one bit did not carry waits for the next outer step
@@ -90,6 +91,43 @@ def _check_fragments_fit(fragments: int, sync_every: int, saved: bool = False) -
                          f"(or sync_every >= {fragments})")
 
 
+def _check_sync_delay(value: Any, saved: bool = False) -> int:
+    if not is_int(value, 0):
+        where = " in the checkpoint" if saved else ""
+        raise ValueError(f"sync_delay must be an int >= 0 (the inner steps an outer step's exchange runs beside before "
+                         f"it is applied; 0: at once){where}, got {value!r}")
+    return value
+
+
+def _check_delay_fits(delay: int, fragments: int, sync_every: int, saved: bool = False) -> None:
+    gap = sync_every // fragments  # (the fewest steps between two fragments' outer steps)
+    if delay >= gap:
+        where = " in the checkpoint" if saved else ""
+        raise ValueError(f"sync_delay={delay} with sync_every={sync_every} and fragments={fragments}{where}: an "
+                         f"exchange must land before the next outer step starts one ({gap} steps apart at the least); "
+                         f"pass sync_delay <= {gap - 1}")
+
+
+def _check_sync_mix(value: Any) -> float:
+    check_number("sync_mix", value, low=0.0, high=1.0)
+    return float(value)
+
+
+def _check_pending(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or set(value) != {"step", "absent"} or not is_int(value["step"], 1)
+            or not isinstance(value["absent"], list) or not all(is_int(i, 0) for i in value["absent"])):
+        raise ValueError(f"sync_pending must be None or {{'step': int >= 1, 'absent': [parameter places]}} (the "
+                         f"exchange in flight), got {value!r}")
+    return {"step": value["step"], "absent": list(value["absent"])}
+
+
+def _check_schedule(values: dict[str, Any]) -> None:
+    _check_fragments_fit(values["fragments"], values["sync_every"], saved=True)
+    _check_delay_fits(values["sync_delay"], values["fragments"], values["sync_every"], saved=True)
+
+
 #: the schedule saved with the state: the position in the round comes from the step number
 SCHEDULE = Schedule((
     Setting("sync_every", lambda value: _check_sync_every(value, saved=True)),
@@ -98,15 +136,19 @@ SCHEDULE = Schedule((
     Setting("error_feedback", lambda value: _check_error_feedback(value), absent="buffer", omit="buffer"),
     Setting("outer_bits", lambda value: _check_outer_bits(value), absent=1, omit=1),
     Setting("fragments", lambda value: _check_fragments(value, saved=True), absent=1, omit=1),
-), check_all=lambda values: _check_fragments_fit(values["fragments"], values["sync_every"], saved=True))
+    Setting("sync_delay", lambda value: _check_sync_delay(value, saved=True), absent=0, omit=0),
+    Setting("sync_mix", _check_sync_mix, absent=1.0, omit=1.0),
+    Setting("sync_pending", _check_pending, attribute="_sync_pending", absent=None, omit=None, logged=False),
+), check_all=_check_schedule)
 
 
 #: the state with ``inner=``: the inner optimizer keeps its own (saved as "inner:<name>" entries)
-INNER_STATE = StateSpec(buffers=("global_params", "outer_momentum_buffer"), lazy=("outer_momentum_buffer",),
+INNER_STATE = StateSpec(buffers=("global_params", "outer_momentum_buffer", "sync_input"),
+                        lazy=("outer_momentum_buffer", "sync_input"),
                         group_keys=("lr",), schedule=SCHEDULE)
 
 
-class OnebitDiLoCo(OnebitOptimizer):
+class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
     r"""DiLoCo (Douillard et al., 2023, arXiv 2311.08105) with an error-compensated 1-bit outer
     all-reduce, as a plain ``torch.optim.Optimizer``.
 
@@ -218,8 +260,8 @@ class OnebitDiLoCo(OnebitOptimizer):
 
     PLAN_NAMES: ClassVar[tuple[str, ...]] = (INNER.name, OUTER.name)
     STATE: ClassVar[StateSpec] = StateSpec(
-        buffers=("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer"), nonnegative=("exp_avg_sq",),
-        lazy=("outer_momentum_buffer",),
+        buffers=("exp_avg", "exp_avg_sq", "global_params", "outer_momentum_buffer", "sync_input"),
+        nonnegative=("exp_avg_sq",), lazy=("outer_momentum_buffer", "sync_input"),
         scalars={"inner_step": 0.0}, masked="exp_avg",
         group_keys=("lr", "betas", "eps", "weight_decay", "bias_correction"), schedule=SCHEDULE)
     _CHECK_UNAVERAGED: ClassVar[bool] = True  # (a forgotten adapter is said in the first steps)
@@ -243,6 +285,8 @@ class OnebitDiLoCo(OnebitOptimizer):
         error_feedback: str | None = None,
         outer_bits: int | None = None,
         fragments: int = 1,
+        sync_delay: int = 0,
+        sync_mix: float = 1.0,
         outer_state: str = "device",
         inner: Any = None,
         bias_correction: bool = True,
@@ -250,6 +294,8 @@ class OnebitDiLoCo(OnebitOptimizer):
     ) -> None:
         _check_outer(sync_every, outer_lr, outer_momentum)
         _check_fragments_fit(_check_fragments(fragments), sync_every)
+        _check_delay_fits(_check_sync_delay(sync_delay), fragments, sync_every)
+        _check_sync_mix(sync_mix)
         check_choice("compression", compression, COMPRESSIONS)
         if compression == "none" and (error_feedback, outer_bits) != (None, None):
             raise ValueError(f"OnebitDiLoCo(compression='none') averages exactly: it has no residual, so "
@@ -266,6 +312,10 @@ class OnebitDiLoCo(OnebitOptimizer):
                                  f"nothing, and its outer step is one compressed all-reduce; leave {name} unset")
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.fragments = fragments
+        self.sync_delay, self.sync_mix = sync_delay, float(sync_mix)
+        self._sync_pending: dict[str, Any] | None = None  # the exchange in flight, as a checkpoint saves it
+        self._flight = None
+        self._before_errors = {}
         check_choice("outer_state", outer_state, OUTER_STATE)
         self.outer_state = outer_state
         self._inner: torch.optim.Optimizer | None = None
@@ -310,6 +360,8 @@ class OnebitDiLoCo(OnebitOptimizer):
                 view.copy_(p.detach())
             if self.outer_momentum > 0 and "outer_momentum_buffer" not in bucket.buffers:
                 self._allocate(bucket, "outer_momentum_buffer")  # (so that a DCP load's template holds it)
+            if self.sync_delay and "sync_input" not in bucket.buffers:
+                self._allocate(bucket, "sync_input")  # (kept from then on: a parameter left alone keeps its entry)
             if self.compression == "none" and not isinstance(bucket.compression, ExactAverage):
                 bucket.compression = ExactAverage(bucket.padded, self._backend.world_size, bucket.device,
                                                   bucket.layout.edges)
@@ -360,6 +412,7 @@ class OnebitDiLoCo(OnebitOptimizer):
 
     def _forget(self) -> None:
         self._fragment_of = None  # (a load may bring another fragments)
+        self._drop_flight()
 
     # ----------------------------------------------------------------- the schedule
 
@@ -417,11 +470,12 @@ class OnebitDiLoCo(OnebitOptimizer):
         """:meth:`onebit.engine.OnebitOptimizer.step`; an outer step also counts for its fragment."""
         t = self._step + 1
         loss = super().step(closure)
-        k = self._fragment_at(t)
+        start = self._sync_start(t) if self.sync_delay else None  # (the bytes of the steps in between: its fragment's)
+        k = self._fragment_at(t if start is None else start)
         if k is not None:  # (the outer steps of each fragment, for comm_stats())
             last = self._backend.stats_dict(None)
             counts = self._fragment_counts.setdefault(k, [0, 0])
-            counts[0] += last["steps"]
+            counts[0] += last["steps"] if start is None else 0
             counts[1] += last["bytes_sent"]
         return loss
 
@@ -512,6 +566,8 @@ class OnebitDiLoCo(OnebitOptimizer):
                 view.copy_(theta).sub_(p)
             else:
                 torch.sub(theta, p, out=view)
+        if self.sync_delay:
+            self._keep_before(bucket, delta)
         return delta
 
     def _update_compressed(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
@@ -520,12 +576,22 @@ class OnebitDiLoCo(OnebitOptimizer):
         delta = bucket.compressed
         if self.compression == "onebit":
             self._more_passes(bucket, delta)
+        self._outer_update(bucket, delta)
+        # (the pseudo-gradient's buffer: needed again only at the next outer step)
+        bucket.compressed = None
+        bucket.release_scratch()
+
+    def _outer_update(self, bucket: Bucket, delta: torch.Tensor) -> None:
+        """The outer Nesterov step of the global parameters on the averaged pseudo-gradient
+        ``delta``, and the parameters set to them (less this rank's residual, with
+        ``error_feedback="model"``)."""
         theta = bucket.buffers["global_params"]
         if self.outer_state == "host":  # (the outer update runs where the global parameters live)
             delta = delta.to(theta.device)
         mu = self.outer_momentum
         if mu > 0:
-            self._before_update(bucket, t)
+            if "outer_momentum_buffer" not in bucket.buffers:
+                self._allocate(bucket, "outer_momentum_buffer")
             b = bucket.buffers["outer_momentum_buffer"]
             b.mul_(mu).add_(delta)
             delta.add_(b, alpha=mu)
@@ -535,9 +601,6 @@ class OnebitDiLoCo(OnebitOptimizer):
         else:
             for p, view in zip(bucket.params, bucket.views["global_params"]):
                 p.copy_(view)
-        # (the pseudo-gradient's buffer: needed again only at the next outer step)
-        bucket.compressed = None
-        bucket.release_scratch()
 
     def _before_update(self, bucket: Bucket, t: int) -> None:
         # The outer momentum exists whenever outer_momentum > 0 (a load of a state without one
@@ -585,6 +648,12 @@ class OnebitDiLoCo(OnebitOptimizer):
     def _synchronize(self) -> None:
         """Between outer steps: the exact float32 mean over ranks of the parameters and the inner
         moments (the global parameters and outer momentum are the same on every rank already)."""
+        if self._flight is None and self._sync_pending is not None:
+            self._resume_flight(self._step + 1)
+        if self._flight is not None:  # (the exchange in flight lands now, with the progress made so far)
+            if not self._flight.served:
+                self._serve(self._flight)
+            self._land(self._flight, {})
         if self.replicas_identical:
             return
         for bucket in self._buckets:

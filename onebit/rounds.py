@@ -45,7 +45,8 @@ class Round:
     before their average (the double-average check, when ``check_double``); ``staged``: the
     compressed buckets whose worker stage started staged, in the order they started;
     ``committed``: after :meth:`commit`, which staged errors each adopted; ``changed``: whether
-    this rank's gradients changed since backward read them (set by the step)."""
+    this rank's gradients changed since backward read them, and ``absent``: per bucket, the
+    parameters without a gradient on every rank (both set by the step)."""
 
     def __init__(self, plan: StepPlan, t: int, check_double: bool) -> None:
         self.plan, self.t = plan, t
@@ -57,6 +58,7 @@ class Round:
         self.local: dict[int, torch.Tensor] = {}
         self.staged: list[Bucket] = []
         self.committed: dict[int, set[str]] = {}
+        self.absent: list[list[int]] = []  # per bucket, the parameters the step leaves alone (set by the step)
 
     def started(self, bucket: Bucket) -> bool:
         return id(bucket) in self.grads

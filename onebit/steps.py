@@ -227,6 +227,7 @@ class Steps:
         if verdict is not None:
             return verdict
         r.commit()
+        r.absent = absent
         self._prepare_compression(compressed, t)
         # Parameters without a gradient on any rank are left as they are, with their state (as in
         # torch.optim): their values are put back after the bucket's update (see _present).
@@ -412,6 +413,12 @@ class Steps:
                         self._update_averaged(bucket, self.param_groups[bucket.group_index], t)
                     else:
                         self._update_local(bucket, bucket_grads, self.param_groups[bucket.group_index], t)
+        self._finish_compressed(r, compressed, t)
+
+    def _finish_compressed(self, r: Round, compressed: list[Bucket], t: int) -> None:
+        """The rest of the compressed buckets' all-reduce once every worker stage started: the
+        server stages, the decodes and the updates (an algorithm may finish them at a later step
+        instead: OnebitDiLoCo's ``sync_delay``)."""
         # (in the order the worker stages started: overlap_backward started them in reverse, and
         # the server stages of all but the last with them)
         for bucket in [*r.staged, *(b for b in compressed if not r.is_staged(b))]:

@@ -40,7 +40,8 @@ class Case:
         overlap = "-overlap" if self.extra.get("overlap_backward") else ""
         bound = "-bound" if self.extra.get("update_bound") else ""
         inner = f"-inner{self.extra['inner'].__name__}" if self.extra.get("inner") else ""
-        return self.cls.__name__ + (f"-{space}" if space else "") + auto + overlap + bound + inner
+        delay = "-delay" if self.schedule.get("sync_delay") else ""
+        return self.cls.__name__ + (f"-{space}" if space else "") + auto + overlap + bound + inner + delay
 
     def make(self, params, lr: float = 1e-2, **kwargs):
         return self.cls(params, lr=lr, comm_backend_name="local", **{**self.schedule, **self.extra, **kwargs})
@@ -52,9 +53,11 @@ def _cases(cls: type, schedule: dict[str, Any]) -> list[Case]:
     ``update_bound`` (0/1 Adam bounds its steps by default)."""
     base = dict(weight_decay=0.01)
     if cls is OnebitDiLoCo:  # no compression spaces, no overlap (its inner steps send nothing): 1 bit or none
-        # (and with inner=: a torch optimizer takes the inner steps, its state its own)
+        # (and with inner=: a torch optimizer takes the inner steps, its state its own; and with
+        # sync_delay: each outer step's exchange lands at the next step, with the progress made meanwhile)
         return [Case(cls, schedule, base), Case(cls, schedule, {**base, "compression": "none"}),
-                Case(cls, schedule, {**base, "inner": torch.optim.AdamW})]
+                Case(cls, schedule, {**base, "inner": torch.optim.AdamW}),
+                Case(cls, {**schedule, "sync_delay": 1}, base)]
     cases = [Case(cls, schedule, base), Case(cls, schedule, {**base, "compression_space": "preconditioned"})]
     if "freeze_step" in schedule:
         # freeze_step='auto' whose latest bound makes it freeze when the schedule does

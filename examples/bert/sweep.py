@@ -31,6 +31,10 @@ The runs:
   and LAMB: ``m / d`` clamped to Adam's largest before the 1-bit all-reduce; the default of all three
   since 2026-11-26); ``*_nobound``: with ``update_bound = None`` (no clamp: the rule before; 0/1
   Adam's ``zo_*_nobound`` are DeepSpeed's numerics);
+* ``lambgrid_lr<LR>_b<B>`` (LR in 2e-3, 5e-3, 1e-2; B in 98, 999 for beta2 0.98 / 0.999): LAMB at
+  ``configs/onebit_lamb_gloo.json`` with that lr and beta2; ``lambgrid_lr<LR>_b<B>_<rule>_<space>``:
+  1-bit LAMB there with ``freeze_step`` 20% of the steps, ``trust_ratio`` ``live`` / ``frozen`` and
+  ``compression_space`` ``mom`` / ``pre`` (``update_bound`` each space's default), against that LAMB;
 * ``lamb_onebit_live`` / ``lamb_onebit_frozen`` (and ``lamb98_``): 1-bit LAMB with ``trust_ratio``
   ``"live"`` (each compression step's own trust ratio; the default since 2026-11-26) / ``"frozen"``
   (DeepSpeed's rule: the warmup ratios averaged, times the factor ``f``, with DeepSpeed's
@@ -129,6 +133,15 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         runs[f"{name}_live"] = ({**params, "trust_ratio": "live"}, lamb, kind)
         # (with DeepSpeed's factor arguments written out, as its docs' config does)
         runs[f"{name}_frozen"] = ({**params, "trust_ratio": "frozen", **OnebitLamb.FROZEN_DEFAULTS}, lamb, kind)
+    for lr in ("2e-3", "5e-3", "1e-2"):  # 1-bit LAMB's grid: lr x beta2, each rule against LAMB of the same setting
+        for beta2 in ("98", "999"):
+            base = f"lambgrid_lr{lr}_b{beta2}"
+            setting = {**LAMB, "lr": float(lr), "betas": [0.9, float(f"0.{beta2}")], "freeze_step": freeze}
+            runs[base] = ({**setting, "freeze_step": 10**9}, base, "OneBitLamb")
+            for rule in ("live", "frozen"):
+                for space, short in (("momentum", "mom"), ("preconditioned", "pre")):
+                    runs[f"{base}_{rule}_{short}"] = ({**setting, "trust_ratio": rule, "compression_space": space},
+                                                      base, "OneBitLamb")
     for name, (params, adam, kind) in list(runs.items()):
         if name != adam:  # a 1-bit run
             runs[f"{name}_bf16"] = ({**params, "reduce_dtype": "bfloat16"}, adam, kind)
