@@ -212,7 +212,7 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
             ``k`` passes send ``k`` times the bytes and leave less behind (see
             ``docs/guides/tuning.md``).
         fragments: ``P``, the parts of the parameters that take their outer steps in turn
-            (Streaming DiLoCo's fragments, arXiv 2501.18512, without overlap); default 1: every
+            (Streaming DiLoCo's fragments, arXiv 2501.18512; its overlap: ``sync_delay``); default 1: every
             parameter at every ``H``-th step. The buckets (of at most ``ceil(total / P)`` elements,
             ``bucket_size`` if smaller) are cut into ``P`` runs of about equal size, in their order
             (a tensor is never split); fragment ``k``'s outer step is at the steps ``t`` with
@@ -220,6 +220,17 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
             is averaged at a time: the bytes of a round are the same, the largest step sends about
             ``1 / P`` of them. An int in ``[1, H]``; :meth:`fragment_of` says a parameter's fragment,
             and ``comm_stats()["outer"]["fragments"]`` the elements, outer steps and bytes of each.
+        sync_delay: ``tau``, the inner steps an outer step's exchange runs beside before it lands
+            (Streaming DiLoCo's overlap; :mod:`onebit.streaming`); default 0: the outer step waits
+            for its exchange. With ``tau > 0`` the outer step starts the 1-bit passes, the next
+            step their server stages, and step ``t0 + tau`` (after its inner step) lands them:
+            ``params = global_params [- residual] + sync_mix * progress``, ``progress`` this rank's
+            inner steps since ``t0``. An int in ``[0, sync_every // fragments)``; it holds
+            ``sync_input`` (4 bytes per parameter): the pseudo-gradient an exchange in flight
+            started from, which an exact resume starts again from.
+        sync_mix: the share (in ``[0, 1]``) of the local progress made while an exchange was in
+            flight that its landing keeps; default 1 (all of it; 0: every rank restarts from the
+            global parameters).
         outer_state: where the global parameters and the outer momentum live: ``"device"``
             (default: with the parameters) or ``"host"`` (in host memory, pinned when the
             parameters are on a GPU, as torchft's DiLoCo keeps them): the GPU then holds 4 bytes

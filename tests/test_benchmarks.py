@@ -390,3 +390,22 @@ def test_diloco_workers_quick_inner_steps_stay_inside_the_nodes(tmp_path):
     assert all(0.4 * d < f < 0.6 * d for d, f in zip(ddp_sent, fsdp_sent))  # the shard's
     assert configs["ddp_adam"]["veth_tx_bytes_max"] > 4 * numel / 2
     assert {f"{inside}_h{h}" for inside in ("ddp", "fsdp") for h in (8, 16, 32, 64)} == set(run["utilisation"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_streaming_quick_rounds_carry_one_exchange_per_fragment(tmp_path):
+    """``benchmarks/streaming.py --quick``: rounds of H steps of OnebitDiLoCo on a 1 Gbit/s link, aligned so
+    that each carries one exchange of every fragment: every configuration with outer steps sends the
+    same bytes per round (two 1-bit passes of the whole model, whatever sync_delay and fragments),
+    ``compute`` nothing; utilisation is ``compute``'s round time over each one's."""
+    _run_two_node_quick("streaming.py", tmp_path)
+    assert (tmp_path / "streaming_quick.md").read_text().startswith("# OnebitDiLoCo's sync_delay on a capped link")
+    (run,) = json.loads((tmp_path / "streaming_quick.json").read_text())["runs"]
+    configs, numel = run["configs"], run["numel"]
+    assert set(configs) == {"compute", "tau0", "tau1", "tau2", "tau4", "f4_tau0", "f4_tau2"}
+    assert configs["compute"]["bytes_per_step"] == 0 and configs["compute"]["utilisation"] == 1.0
+    per_round = [row["bytes_per_step"] * 16 for name, row in configs.items() if name != "compute"]
+    one_bit_pass = numel / 8  # bytes of one rank's 1-bit all-reduce of the whole model over 2 ranks, about
+    assert all(1.8 * one_bit_pass < b < 2.6 * one_bit_pass for b in per_round), (per_round, one_bit_pass)
+    assert all(row["utilisation"] > 0 for row in configs.values())

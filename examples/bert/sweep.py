@@ -48,6 +48,10 @@ The runs:
   ``*_model``: with ``error_feedback`` "buffer" / "model"; ``*_bits2`` / ``*_bits3``: ``outer_bits`` 2 / 3
   (``*_bits2_model``: and ``error_feedback`` "model"); ``*_block<K>``: with one scale per K
   elements; all against ``demo_adam``;
+* ``diloco_h32_bits2_model[_frag<P>]_tau<D>``: the defaults at H 32 (with ``fragments`` P) and
+  ``sync_delay`` D (1 or 2: each exchange lands D steps after its outer step, with the local
+  progress made meanwhile); ``*_mix0`` / ``*_mix05``: with ``sync_mix`` 0 / 0.5 (the share of that
+  progress kept; default 1); all against ``demo_adam``;
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
@@ -120,6 +124,14 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         for name in ("diloco_h32", "diloco_h32_bits2_model"):
             params, adam, kind = runs[name]
             runs[f"{name}_frag{fragments}"] = ({**params, "fragments": fragments}, adam, kind)
+    for fragments in (1, 2, 4):  # sync_delay=tau (Streaming DiLoCo's overlap) at the defaults, H 32
+        name = "diloco_h32_bits2_model" + ("" if fragments == 1 else f"_frag{fragments}")
+        params, adam, kind = runs[name]
+        for tau in (1, 2):
+            runs[f"{name}_tau{tau}"] = ({**params, "sync_delay": tau}, adam, kind)
+            for mix in (0, 0.5):
+                runs[f"{name}_tau{tau}_mix{str(mix).replace('.', '')}"] = (
+                    {**params, "sync_delay": tau, "sync_mix": mix}, adam, kind)
     for block in (128, 1024, 4096):
         for base in ("ds", "demo"):
             params, adam, kind = runs[f"{base}_onebit"]
