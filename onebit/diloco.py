@@ -102,25 +102,26 @@ def _check_sync_delay(value: Any, saved: bool = False) -> int:
 def _check_delay_fits(delay: int, fragments: int, sync_every: int, saved: bool = False) -> None:
     gap = sync_every // fragments  # (the fewest steps between two fragments' outer steps)
     if delay >= gap:
-        where = " in the checkpoint" if saved else ""
-        raise ValueError(f"sync_delay={delay} with sync_every={sync_every} and fragments={fragments}{where}: an "
-                         f"exchange must land before the next outer step starts one ({gap} steps apart at the least); "
-                         f"pass sync_delay <= {gap - 1}")
+        fix = ("the checkpoint is not one this version wrote, or was edited" if saved
+               else f"pass sync_delay <= {gap - 1}")
+        raise ValueError(f"sync_delay={delay} with sync_every={sync_every} and fragments={fragments}"
+                         f"{' in the checkpoint' if saved else ''}: an exchange must land before the next outer step "
+                         f"starts one ({gap} steps apart at the least); {fix}")
 
 
-def _check_sync_mix(value: Any) -> float:
-    check_number("sync_mix", value, low=0.0, high=1.0)
+def _check_sync_mix(value: Any, saved: bool = False) -> float:
+    check_number("sync_mix" + (" in the checkpoint" if saved else ""), value, low=0.0, high=1.0)
     return float(value)
 
 
 def _check_pending(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
-    if (not isinstance(value, dict) or set(value) != {"step", "absent"} or not is_int(value["step"], 1)
-            or not isinstance(value["absent"], list) or not all(is_int(i, 0) for i in value["absent"])):
-        raise ValueError(f"sync_pending must be None or {{'step': int >= 1, 'absent': [parameter places]}} (the "
-                         f"exchange in flight), got {value!r}")
-    return {"step": value["step"], "absent": list(value["absent"])}
+    if (not isinstance(value, dict) or set(value) != {"step", "params", "absent"} or not is_int(value["step"], 1)
+            or any(not isinstance(value[k], list) or not all(is_int(i, 0) for i in value[k]) for k in ("params", "absent"))):
+        raise ValueError(f"sync_pending in the checkpoint must be None or {{'step': int >= 1, 'params': [parameter "
+                         f"places], 'absent': [parameter places]}} (the exchange in flight), got {value!r}")
+    return {"step": value["step"], "params": list(value["params"]), "absent": list(value["absent"])}
 
 
 def _check_schedule(values: dict[str, Any]) -> None:
@@ -137,7 +138,7 @@ SCHEDULE = Schedule((
     Setting("outer_bits", lambda value: _check_outer_bits(value), absent=1, omit=1),
     Setting("fragments", lambda value: _check_fragments(value, saved=True), absent=1, omit=1),
     Setting("sync_delay", lambda value: _check_sync_delay(value, saved=True), absent=0, omit=0),
-    Setting("sync_mix", _check_sync_mix, absent=1.0, omit=1.0),
+    Setting("sync_mix", lambda value: _check_sync_mix(value, saved=True), absent=1.0, omit=1.0),
     Setting("sync_pending", _check_pending, attribute="_sync_pending", absent=None, omit=None, logged=False),
 ), check_all=_check_schedule)
 
@@ -306,7 +307,9 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
         _check_outer(sync_every, outer_lr, outer_momentum)
         _check_fragments_fit(_check_fragments(fragments), sync_every)
         _check_delay_fits(_check_sync_delay(sync_delay), fragments, sync_every)
-        _check_sync_mix(sync_mix)
+        if _check_sync_mix(sync_mix) != 1 and sync_delay == 0:
+            raise ValueError(f"OnebitDiLoCo(sync_mix={sync_mix!r}) weighs the progress made while an exchange is in "
+                             "flight, and with sync_delay=0 none is: pass sync_delay > 0 too, or leave sync_mix out")
         check_choice("compression", compression, COMPRESSIONS)
         if compression == "none" and (error_feedback, outer_bits) != (None, None):
             raise ValueError(f"OnebitDiLoCo(compression='none') averages exactly: it has no residual, so "

@@ -39,6 +39,7 @@ import torch
 
 from .buckets import Bucket
 from .collectives import AllreduceState, finish_, new_state, start_server_, start_worker_
+from .health import HEALTH_CHECK_INTERVAL, error_ratio
 from .plan import StepPlan
 from .rounds import Round
 
@@ -72,7 +73,7 @@ class DelayedSync:
     ``sync_delay``, ``sync_mix``, ``_sync_pending``, the buckets, backend, kernels and the outer
     update, ``_outer_update``)."""
 
-    _flight: Flight | None = None
+    _flight: Flight | None
     _before_errors: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
     # ----------------------------------------------------------------- the schedule
@@ -181,6 +182,10 @@ class DelayedSync:
         alone = {id(b): sorted(set(flight.absent.get(id(b), [])) | set(absent_now.get(id(b), [])))
                  for b in flight.buckets}
         held = [b.hold(alone[id(b)], self.STATE.shared_scalars) for b in flight.buckets if alone[id(b)]]
+        # (the health check of every HEALTH_CHECK_INTERVAL-th compressed step, as at sync_delay 0: the
+        # first pass's error against its decoded average, and the largest step of a coordinate)
+        measure = self._compressed_steps % HEALTH_CHECK_INTERVAL == 0
+        ratios, moves = [], []
         for bucket in flight.buckets:
             kernels = self._kernels_for(bucket)
             first = bucket.compression
@@ -188,6 +193,9 @@ class DelayedSync:
             finish_(average, first, kernels, bucket.derived.frozen_keep)
             if bucket.derived.frozen_keep is None and bucket.derived.frozen_zeros is not None:
                 average.index_fill_(0, bucket.derived.frozen_zeros, 0.0)
+            if measure:
+                ratios.append(error_ratio(*first.health_input(average)))
+                before = [p.detach().clone() for p in bucket.params]
             passes = flight.passes.get(id(bucket), [])
             for state, residual in passes:
                 finish_(residual, state, kernels)
@@ -201,10 +209,16 @@ class DelayedSync:
             theta = bucket.views["global_params"]
             for view, p, old, d in zip(bucket.view(progress), bucket.params, theta, bucket.views["sync_input"]):
                 torch.sub(p, old.to(view.device), out=view).add_(d.to(view.device))
-            self._outer_update(bucket, average)
-            if self.sync_mix != 0:
-                for p, view in zip(bucket.params, bucket.view(progress)):
-                    p.add_(view.to(p.dtype) if self.sync_mix == 1 else view.mul(self.sync_mix).to(p.dtype))
+            with self._timed("update"):
+                self._outer_update(bucket, average)
+                if self.sync_mix != 0:
+                    for p, view in zip(bucket.params, bucket.view(progress)):
+                        p.add_(view.to(p.dtype) if self.sync_mix == 1 else view.mul(self.sync_mix).to(p.dtype))
+            if measure:
+                moves.extend(self._moves(bucket, before))
+        if measure:
+            self._health.error_ratio = max((x for x in ratios if x is not None), default=None)
+            self._health.update_ratio = max(moves, default=None)
         for kept in held:
             kept.restore_()
         for bucket in flight.buckets:
@@ -216,28 +230,35 @@ class DelayedSync:
 
     # ----------------------------------------------------------------- checkpoints
 
+    def _places(self) -> dict[int, int]:
+        """``id(parameter) -> its place in the param groups`` (in order, every group)."""
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
     def _pending_entry(self, flight: Flight) -> dict[str, Any]:
         """What the schedule saves of the exchange in flight: its step and, by their place in the
-        param groups, the parameters it leaves alone."""
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        absent = sorted(index[id(b.owners[i])] for b in flight.buckets for i in flight.absent.get(id(b), []))
-        return {"step": flight.start, "absent": absent}
+        param groups, the parameters it sends and those it leaves alone."""
+        place = self._places()
+        sent = sorted(place[id(p)] for b in flight.buckets for p in b.owners)
+        absent = sorted(place[id(b.owners[i])] for b in flight.buckets for i in flight.absent.get(id(b), []))
+        return {"step": flight.start, "params": sent, "absent": absent}
 
     def _resume_flight(self, t: int) -> None:
         """The first step after a load that brought an exchange in flight: its stages again, from
         the saved ``sync_input`` and the errors loaded (those from before it started)."""
         pending, self._sync_pending = self._sync_pending, None
-        start = pending["step"]
-        buckets = [b for b in self._buckets if b.compression is not None and self._compresses(b, self.plan_for(start), start)
-                   and "sync_input" in b.buffers]
-        if not buckets or not start < t <= start + self.sync_delay:
+        start, sent = pending["step"], set(pending["params"])
+        place = self._places()
+        buckets = [b for b in self._buckets if b.compression is not None and "sync_input" in b.buffers
+                   and any(place[id(p)] in sent for p in b.owners)]
+        if (not buckets or not start < t <= start + self.sync_delay
+                or {place[id(p)] for b in buckets for p in b.owners} != sent):
             if self._speaks:  # (an exchange this optimizer cannot continue: said, and dropped)
                 logger.warning("onebit: the checkpoint held the exchange of the outer step %d in flight, which this "
-                               "OnebitDiLoCo (sync_delay=%d, at step %d) cannot continue: it was dropped, and the "
-                               "next outer step sends what it carried", start, self.sync_delay, t - 1)
+                               "OnebitDiLoCo (sync_delay=%d, at step %d, its buckets laid out for fragments=%d) cannot "
+                               "continue: it was dropped, and the next outer step of those parameters sends what it "
+                               "carried", start, self.sync_delay, t - 1, self.fragments)
             return
         wanted = set(pending["absent"])
-        place = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         absent = {id(b): [i for i, p in enumerate(b.owners) if place[id(p)] in wanted] for b in buckets}
         flight = Flight(start, buckets, {k: v for k, v in absent.items() if v})
         self._prepare_compression(buckets, start)

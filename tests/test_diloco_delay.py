@@ -14,6 +14,7 @@ right after it started, and after its server stage) continues bit for bit.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -127,7 +128,8 @@ def test_the_plans_and_a_bad_delay():
     for kwargs, pattern in [({"sync_delay": 4, "fragments": 2, "sync_every": 8}, r"pass sync_delay <= 3"),
                             ({"sync_delay": -1}, r"sync_delay must be an int >= 0"),
                             ({"sync_delay": 1.5}, r"sync_delay must be an int >= 0"),
-                            ({"sync_delay": 1, "sync_mix": 1.5}, r"sync_mix")]:
+                            ({"sync_delay": 1, "sync_mix": 1.5}, r"sync_mix"),
+                            ({"sync_mix": 0.5}, r"with sync_delay=0 none is: pass sync_delay > 0 too")]:
         with pytest.raises(ValueError, match=pattern):
             _make(_model(), "local", **kwargs)
 
@@ -151,6 +153,70 @@ def test_a_parameter_without_a_gradient_at_the_outer_step_is_left_alone():
     assert torch.equal(global_now, before["4.weight"][1])
     assert torch.equal(model[4].weight.detach(), before["4.weight"][0])
     assert not torch.equal(opt.state[model[0].weight]["global_params"], before["0.weight"][1])
+
+
+def test_a_parameter_without_a_gradient_at_the_outer_step_only_keeps_its_outer_state():
+    """No gradient at the outer step (4) only: the landing (6) leaves its global parameters and
+    outer momentum as they were, while the layers that had one moved theirs."""
+    model = _model()
+    opt = _make(model, "local", sync_delay=2, **CLASSIC)
+    for t in range(1, 7):
+        opt.zero_grad(set_to_none=True)
+        _backward(model, 0, t)
+        if t == 4:
+            model[4].weight.grad = None
+        if t == 6:
+            before = {name: {k: opt.state[p][k].clone() for k in ("global_params", "outer_momentum_buffer")}
+                      for name, p in model.named_parameters()}
+        opt.step()
+    for key in ("global_params", "outer_momentum_buffer"):
+        assert torch.equal(opt.state[model[4].weight][key], before["4.weight"][key])
+        assert not torch.equal(opt.state[model[0].weight][key], before["0.weight"][key])
+
+
+def test_the_health_check_runs_at_the_same_steps_with_a_delay(monkeypatch):
+    """Every 16th compressed step measures the errors (at its landing with sync_delay) and the next
+    one judges them: at step 34 with sync_every 2, with or without a delay."""
+    from onebit.health import Health
+
+    judged = []
+    real = Health.judge
+    monkeypatch.setattr(Health, "judge", lambda self, ratio, t, rank: (judged.append(t), real(self, ratio, t, rank)))
+    for delay in (0, 1):
+        judged.clear()
+        model = _model()
+        opt = _make(model, "local", sync_every=2, sync_delay=delay)
+        for t in range(1, 41):
+            opt.zero_grad(set_to_none=True)
+            _backward(model, 0, t)
+            opt.step()
+        assert judged == [34], (delay, judged)
+
+
+def test_an_exchange_in_flight_that_the_buckets_no_longer_match_is_dropped_with_a_warning(caplog):
+    """Saved with fragment 0 in flight (fragments 2), loaded into an optimizer built with one
+    fragment (one bucket: the schedule brings fragments=2 back over it): the exchange cannot be
+    started again over the same parameters, so it is dropped, said once, and fragment 1's global
+    parameters are left as they were."""
+    model = _model()
+    opt = _make(model, "local", sync_every=8, fragments=2, sync_delay=3)
+    for t in range(1, 9):
+        opt.zero_grad(set_to_none=True)
+        _backward(model, 0, t)
+        opt.step()
+    state = opt.state_dict()
+    assert state["param_groups"][0]["onebit"]["sync_pending"]["params"] == [0, 1]
+    loaded = _make(model, "local", sync_every=8)
+    loaded.load_state_dict(state)
+    before = [loaded.state[p]["global_params"].clone() for p in model.parameters()]
+    with caplog.at_level(logging.WARNING, logger="onebit"):
+        for t in range(9, 12):
+            loaded.zero_grad(set_to_none=True)
+            _backward(model, 0, t)
+            loaded.step()
+    assert sum("the checkpoint held the exchange of the outer step 8 in flight" in r.getMessage()
+               for r in caplog.records) == 1
+    assert all(torch.equal(loaded.state[p]["global_params"], b) for p, b in zip(model.parameters(), before))
 
 
 def _train(rank: int, settings: dict, steps: int = STEPS) -> dict:

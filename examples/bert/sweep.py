@@ -180,12 +180,15 @@ def summarize(name: str, run_dir: Path) -> dict:
     compression = [r for r in _records(run_dir) if r.get("event") == "train" and r.get("phase") in compressed]
     stats = summary["comm_stats"]
     steps = sum(stats[k]["steps"] for k in compressed)
+    sent = sum(stats[k]["bytes_sent"] for k in compressed)
+    if "fragments" in stats.get("outer", {}):  # (OnebitDiLoCo: with sync_delay the steps after an outer step complete it)
+        sent = sum(f["bytes_sent"] for f in stats["outer"]["fragments"])
     return {
         "name": name,
         "final_val_loss": summary.get("final_val_loss"),
         "status": summary.get("status"),
         "skipped_steps": summary.get("skipped_steps"),
-        "kib_per_compression_step": sum(stats[k]["bytes_sent"] for k in compressed) / steps / 1024 if steps else None,
+        "kib_per_compression_step": sent / steps / 1024 if steps else None,
         "mean_worker_error_norm": (sum(r["worker_error_norm"] for r in compression) / len(compression)
                                    if compression and "worker_error_norm" in compression[0] else None),
         "mean_error_to_momentum": (sum(r["error_to_momentum"] for r in compression if r.get("error_to_momentum"))
