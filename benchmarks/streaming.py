@@ -13,8 +13,10 @@ exchange lands), so each round carries one outer step of every fragment and all 
 
 * ``compute``: OnebitDiLoCo with no outer step in the round (``sync_every`` 10**9): inner steps
   only, nothing sent: the time of the loop without communication;
-* ``tau<D>`` (``fragments`` 1) and ``f<P>_tau<D>``: the defaults (``sync_every`` 32, two 1-bit
-  passes) with ``sync_delay`` ``D`` (and ``fragments`` ``P``).
+* ``defaults``: OnebitDiLoCo's defaults at ``sync_every`` 32 (two 1-bit passes, 4 fragments,
+  ``sync_delay`` 2);
+* ``tau<D>`` (``fragments`` 1) and ``f<P>_tau<D>``: the same with ``sync_delay`` ``D`` and
+  ``fragments`` ``P`` given.
 
 **Utilisation** is ``compute``'s round time over the configuration's: the share of the time spent
 computing. The time of a round is the slower rank's; medians over rounds. Writes ``<name>.json``
@@ -44,7 +46,7 @@ from peers import make_model  # noqa: E402
 from slowlink import code_version, machine_info  # noqa: E402
 
 SYNC_EVERY = 32
-CONFIGS = ("compute", "tau0", "tau1", "tau2", "tau4", "f4_tau0", "f4_tau2")
+CONFIGS = ("compute", "defaults", "tau0", "tau1", "tau2", "tau4", "f4_tau0", "f4_tau2")
 UTILISATION_TARGET = 0.95  # issue 42: 2 ranks at 100 Mbit/s, 25.2M parameters, with the defaults
 
 
@@ -52,6 +54,8 @@ def settings(name: str, sync_every: int) -> dict:
     """A configuration's OnebitDiLoCo settings."""
     if name == "compute":
         return {"sync_every": 10 ** 9}
+    if name == "defaults":  # (fragments and sync_delay left out: OnebitDiLoCo's own choice for H)
+        return {"sync_every": sync_every}
     fragments, _, delay = name.removeprefix("f").partition("_tau") if name.startswith("f") else ("1", "", name[3:])
     return {"sync_every": sync_every, "fragments": int(fragments), "sync_delay": int(delay)}
 

@@ -91,6 +91,23 @@ def _check_fragments_fit(fragments: int, sync_every: int, saved: bool = False) -
                          f"(or sync_every >= {fragments})")
 
 
+#: the defaults of ``fragments`` and ``sync_delay`` from ``sync_every`` up (see :func:`_streaming_defaults`)
+STREAMING_FROM = 16
+
+
+def _streaming_defaults(sync_every: int, fragments: int | None, sync_delay: int | None) -> tuple[Any, Any]:
+    """``fragments`` and ``sync_delay`` where left out (None): from ``sync_every >= 16`` (the
+    default 32), ``min(4, sync_every // 8)`` fragments (fewer when the parameters make fewer
+    buckets) and a delay of 2 steps; below, 1 and 0 (the blocking outer step). Chosen on the BERT
+    example and a 100 Mbit/s link (``docs/guides/tuning.md``); given values are kept as they are."""
+    streams = is_int(sync_every, STREAMING_FROM)
+    if fragments is None:
+        fragments = max(1, min(4, sync_every // 8)) if streams else 1
+    if sync_delay is None:
+        sync_delay = 2 if streams and is_int(fragments, 1) and sync_every // fragments > 2 else 0
+    return fragments, sync_delay
+
+
 def _check_sync_delay(value: Any, saved: bool = False) -> int:
     if not is_int(value, 0):
         where = " in the checkpoint" if saved else ""
@@ -180,7 +197,8 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
     Bytes: ``outer_bits`` 1-bit all-reduces of the parameters every ``H`` steps, about
     ``outer_bits / H`` bit per parameter per step: 0.0625 at the defaults (1-bit Adam sends about
     1 per step after its warmup). The defaults (H 32, two passes, the residual in the model, the
-    plain average) were chosen on the BERT example over three seeds (``docs/guides/tuning.md``).
+    plain average; 4 fragments, each exchange landing 2 steps after its outer step) were chosen on
+    the BERT example over three seeds and on a 100 Mbit/s link (``docs/guides/tuning.md``).
 
     Args:
         params: parameters or param groups (a group may set its own ``lr``, ``betas``, ``eps``,
@@ -213,8 +231,10 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
             ``k`` passes send ``k`` times the bytes and leave less behind (see
             ``docs/guides/tuning.md``).
         fragments: ``P``, the parts of the parameters that take their outer steps in turn
-            (Streaming DiLoCo's fragments, arXiv 2501.18512; its overlap: ``sync_delay``); default 1: every
-            parameter at every ``H``-th step. The buckets (of at most ``ceil(total / P)`` elements,
+            (Streaming DiLoCo's fragments, arXiv 2501.18512; its overlap: ``sync_delay``); default
+            None: from ``sync_every >= 16`` (the default 32), ``min(4, sync_every // 8)`` fragments
+            (as many as the buckets allow, without a refusal); below, 1: every parameter at every
+            ``H``-th step. The buckets (of at most ``ceil(total / P)`` elements,
             ``bucket_size`` if smaller) are cut into ``P`` runs of about equal size, in their order
             (a tensor is never split); fragment ``k``'s outer step is at the steps ``t`` with
             ``t % H == k * H // P``, where the other fragments take an inner step. So one fragment
@@ -222,8 +242,8 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
             ``1 / P`` of them. An int in ``[1, H]``; :meth:`fragment_of` says a parameter's fragment,
             and ``comm_stats()["outer"]["fragments"]`` the elements, outer steps and bytes of each.
         sync_delay: ``tau``, the inner steps an outer step's exchange runs beside before it lands
-            (Streaming DiLoCo's overlap; :mod:`onebit.streaming`); default 0: the outer step waits
-            for its exchange. With ``tau > 0`` the outer step starts the 1-bit passes, the next
+            (Streaming DiLoCo's overlap; :mod:`onebit.streaming`); default None: 2 from
+            ``sync_every >= 16``, else 0 (the outer step waits for its exchange). With ``tau > 0`` the outer step starts the 1-bit passes, the next
             step their server stages, and step ``t0 + tau`` (after its inner step) lands them:
             ``params = global_params [- residual] + sync_mix * progress``, ``progress`` this rank's
             inner steps since ``t0``. An int in ``[0, sync_every // fragments)``; it holds
@@ -296,8 +316,8 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
         compression: str = "onebit",
         error_feedback: str | None = None,
         outer_bits: int | None = None,
-        fragments: int = 1,
-        sync_delay: int = 0,
+        fragments: int | None = None,
+        sync_delay: int | None = None,
         sync_mix: float = 1.0,
         outer_state: str = "device",
         inner: Any = None,
@@ -305,6 +325,8 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
         **options: Any,
     ) -> None:
         _check_outer(sync_every, outer_lr, outer_momentum)
+        chosen = fragments is None  # (the buckets may then leave fewer, without a refusal)
+        fragments, sync_delay = _streaming_defaults(sync_every, fragments, sync_delay)
         _check_fragments_fit(_check_fragments(fragments), sync_every)
         _check_delay_fits(_check_sync_delay(sync_delay), fragments, sync_every)
         if _check_sync_mix(sync_mix) != 1 and sync_delay == 0:
@@ -348,7 +370,9 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
             self._inner = inner_optimizer.build(inner, self.param_groups)
             inner_optimizer.check_hyperparameters(self._inner, self.param_groups, self._builtin_defaults())
             inner_optimizer.check_shared(self._inner, self.param_groups, inner)
-        if fragments > 1 and len(self._buckets) < fragments:
+        if chosen and len(self._buckets) < fragments:
+            self.fragments = max(1, len(self._buckets))
+        elif fragments > 1 and len(self._buckets) < fragments:
             numels = [local(p).numel() for b in self._buckets for p in b.owners]
             raise ValueError(
                 f"OnebitDiLoCo(fragments={fragments}): the trainable parameters make {len(self._buckets)} buckets, one "

@@ -403,7 +403,7 @@ def test_streaming_quick_rounds_carry_one_exchange_per_fragment(tmp_path):
     assert (tmp_path / "streaming_quick.md").read_text().startswith("# OnebitDiLoCo's sync_delay on a capped link")
     (run,) = json.loads((tmp_path / "streaming_quick.json").read_text())["runs"]
     configs, numel = run["configs"], run["numel"]
-    assert set(configs) == {"compute", "tau0", "tau1", "tau2", "tau4", "f4_tau0", "f4_tau2"}
+    assert set(configs) == {"compute", "defaults", "tau0", "tau1", "tau2", "tau4", "f4_tau0", "f4_tau2"}
     assert configs["compute"]["bytes_per_step"] == 0 and configs["compute"]["utilisation"] == 1.0
     per_round = [row["bytes_per_step"] * 16 for name, row in configs.items() if name != "compute"]
     one_bit_pass = numel / 8  # bytes of one rank's 1-bit all-reduce of the whole model over 2 ranks, about

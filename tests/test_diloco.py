@@ -250,10 +250,18 @@ def test_compression_none_averages_exactly(ranks):
 
 def test_defaults_are_the_plain_average_every_32_steps():
     """The defaults (chosen on the BERT example, docs/guides/tuning.md): H 32, the plain average,
-    two 1-bit passes with the residual in the model; with the exact mean, one float32 pass."""
+    two 1-bit passes with the residual in the model, 4 fragments and a delay of 2; with the exact
+    mean, one float32 pass."""
     opt = OnebitDiLoCo(_model().parameters(), comm_backend_name="local")
     assert (opt.sync_every, opt.outer_lr, opt.outer_momentum, opt.compression) == (32, 1.0, 0.0, "onebit")
     assert (opt.outer_bits, opt.error_feedback) == (2, "model")
+    # 4 fragments where the buckets allow (here the model's 4 tensors), each exchange landing 2 steps late
+    assert (opt.fragments, opt.sync_delay, opt.sync_mix, opt.num_buckets) == (4, 2, 1.0, 4)
+    assert [t for t in range(1, 33) if opt.plan_for(t).name == "outer"] == [8, 16, 24, 32]
+    # below sync_every 16, the blocking outer step of all the parameters; a model of fewer buckets: fewer
+    assert (OnebitDiLoCo(_model().parameters(), sync_every=8, comm_backend_name="local").fragments, 0) == (1, 0)
+    small = OnebitDiLoCo(list(_model().parameters())[:2], comm_backend_name="local")
+    assert (small.fragments, small.sync_delay) == (small.num_buckets, 2) and small.num_buckets < 4
     assert opt.param_groups[0]["bias_correction"] is True and opt.param_groups[0]["weight_decay"] == 1e-2
     exact = OnebitDiLoCo(_model().parameters(), compression="none", comm_backend_name="local")
     assert (exact.outer_bits, exact.error_feedback) == (1, "buffer")
