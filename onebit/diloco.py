@@ -243,8 +243,9 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
             and ``comm_stats()["outer"]["fragments"]`` the elements, outer steps and bytes of each.
         sync_delay: ``tau``, the inner steps an outer step's exchange runs beside before it lands
             (Streaming DiLoCo's overlap; :mod:`onebit.streaming`); default None: 2 from
-            ``sync_every >= 16``, else 0 (the outer step waits for its exchange). With ``tau > 0`` the outer step starts the 1-bit passes, the next
-            step their server stages, and step ``t0 + tau`` (after its inner step) lands them:
+            ``sync_every >= 16``, else 0 (the outer step waits for its exchange). With ``tau > 0``
+            the outer step starts the 1-bit passes, the next step their server stages, and step
+            ``t0 + tau`` (after its inner step) lands them:
             ``params = global_params [- residual] + sync_mix * progress``, ``progress`` this rank's
             inner steps since ``t0``. An int in ``[0, sync_every // fragments)``; it holds
             ``sync_input`` (4 bytes per parameter): the pseudo-gradient an exchange in flight
