@@ -219,6 +219,41 @@ def test_an_exchange_in_flight_that_the_buckets_no_longer_match_is_dropped_with_
     assert all(torch.equal(loaded.state[p]["global_params"], b) for p, b in zip(model.parameters(), before))
 
 
+def test_a_dcp_checkpoint_with_the_exchange_in_flight_continues_bit_for_bit(tmp_path):
+    """torch.distributed.checkpoint (the optimizer's state dict through get/set_optimizer_state_dict)
+    and the compression errors saved beside it, after steps 4 (the exchange just started), 5 and 6
+    (its server stage taken): the loaded run equals the straight one bit for bit."""
+    from distributed import dcp_load, dcp_save
+    from onebit.checkpoint import load_compression_errors, save_compression_errors
+
+    settings = {"sync_delay": 3, "outer_momentum": 0.9, "outer_lr": 0.7}
+
+    def run(at: int | None) -> list[list[torch.Tensor]]:
+        model = _model()
+        opt = _make(model, "local", **settings)
+        trajectory = []
+        for t in range(1, STEPS + 1):
+            if t == at:
+                path = str(tmp_path / f"at{at}")
+                dcp_save(model, opt, path + "_dcp")
+                save_compression_errors(path + "_errors", opt)
+                model = _model(seed=3)
+                opt = _make(model, "local", **settings)
+                dcp_load(model, opt, path + "_dcp")
+                load_compression_errors(path + "_errors", opt)
+                assert opt._sync_pending is not None and opt._sync_pending["step"] == 4
+            opt.zero_grad(set_to_none=True)
+            _backward(model, 0, t)
+            opt.step()
+            trajectory.append(clone_params(model.parameters()))
+        return trajectory
+
+    straight = run(None)
+    for at in (5, 6, 7):  # (saved before step ``at``: after steps 4, 5 and 6)
+        for t, (mine, theirs) in enumerate(zip(run(at), straight), start=1):
+            assert all_equal(mine, theirs), (at, t)
+
+
 def _train(rank: int, settings: dict, steps: int = STEPS) -> dict:
     model = _model()
     opt = _make(model, **settings)

@@ -41,7 +41,7 @@ def _loss(model: torch.nn.Module, rank: int, t: int) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def _ddp_in_workers(rank: int, world_size: int) -> dict:
+def _ddp_in_workers(rank: int, world_size: int, delay: int = 0) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
@@ -49,9 +49,9 @@ def _ddp_in_workers(rank: int, world_size: int) -> dict:
     worker = rank // 2  # mesh rows: ranks 0, 1 are worker 0; ranks 2, 3 worker 1
     model = tiny_mlp(16, 32, 1, seed=0)
     ddp = DistributedDataParallel(model, process_group=mesh["shard"].get_group())
-    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, group=mesh["replicate"])
+    opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, group=mesh["replicate"], sync_delay=delay)
     plain, twin = tiny_mlp(16, 32, 1, seed=0), tiny_mlp(16, 32, 1, seed=0)
-    oracle = OnebitDiLoCo(plain.parameters(), lr=LR, sync_every=H, group=mesh["replicate"])
+    oracle = OnebitDiLoCo(plain.parameters(), lr=LR, sync_every=H, group=mesh["replicate"], sync_delay=delay)
     trajectory, expected = [], []
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
@@ -72,11 +72,13 @@ def _ddp_in_workers(rank: int, world_size: int) -> dict:
         oracle.step()
         expected.append([p.detach().clone() for p in plain.parameters()])
     return {"trajectory": trajectory, "expected": expected,
-            "bytes": opt.comm_stats()["outer"]["bytes_sent"], "oracle_bytes": oracle.comm_stats()["outer"]["bytes_sent"]}
+            "bytes": opt.comm_stats()["total"]["bytes_sent"], "oracle_bytes": oracle.comm_stats()["total"]["bytes_sent"]}
 
 
-def test_ddp_inside_each_worker_equals_one_rank_per_worker(tmp_path):
-    results = run_ranks(_ddp_in_workers, 4, tmp_path, timeout=240.0)
+@pytest.mark.parametrize("delay", [0, 2], ids=["blocking", "sync_delay2"])
+def test_ddp_inside_each_worker_equals_one_rank_per_worker(tmp_path, delay):
+    """(With sync_delay 2 too: each exchange lands two steps after its outer step, at 5 and 8.)"""
+    results = run_ranks(_ddp_in_workers, 4, tmp_path, delay, timeout=240.0)
     for rank, result in enumerate(results):
         for t, (mine, theirs) in enumerate(zip(result["trajectory"], result["expected"]), start=1):
             assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), (rank, t)
