@@ -397,10 +397,9 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
                                  "already divides the global parameters' memory by the shard count)")
             for view, p in zip(bucket.views["global_params"], bucket.params):
                 view.copy_(p.detach())
-            if self.outer_momentum > 0 and "outer_momentum_buffer" not in bucket.buffers:
-                self._allocate(bucket, "outer_momentum_buffer")  # (so that a DCP load's template holds it)
-            if self.sync_delay and "sync_input" not in bucket.buffers:
-                self._allocate(bucket, "sync_input")  # (kept from then on: a parameter left alone keeps its entry)
+            for name in self._lazy_at_build():  # (so that a DCP load's template holds them)
+                if name not in bucket.buffers:
+                    self._allocate(bucket, name)
             if self.compression == "none" and not isinstance(bucket.compression, ExactAverage):
                 bucket.compression = ExactAverage(bucket.padded, self._backend.world_size, bucket.device,
                                                   bucket.layout.edges)
@@ -436,6 +435,12 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
     def inner_optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer ``inner=`` built (None: the built-in fused AdamW)."""
         return self._inner
+
+    def _lazy_at_build(self) -> tuple[str, ...]:
+        """The outer momentum with ``outer_momentum > 0`` (at 0 it never exists, unless a load brings
+        one); ``sync_input`` with ``sync_delay > 0`` (kept from then on: a parameter left alone by an
+        exchange keeps its entry)."""
+        return (("outer_momentum_buffer",) if self.outer_momentum > 0 else ()) + (("sync_input",) if self.sync_delay else ())
 
     def _homes(self) -> dict[str, str]:
         return {name: "host" for name in OUTER_BUFFERS} if self.outer_state == "host" else {}

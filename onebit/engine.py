@@ -431,6 +431,12 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
                 self._kernels[bucket.device] = get_kernels(bucket.device, self._kernel_choice)
             self._buckets.append(bucket)
 
+    def _lazy_at_build(self) -> tuple[str, ...]:
+        """The lazy buffers (``STATE.lazy``) that this configuration needs from the first step and so
+        holds from construction on, e.g. OnebitDiLoCo's outer momentum with ``outer_momentum > 0``
+        (a ``torch.distributed.checkpoint`` load fills only what the fresh optimizer holds)."""
+        return ()
+
     def _homes(self) -> dict[str, str]:
         """State buffers an algorithm keeps in host memory (``{name: "host"}``); the others live on
         their parameters' device."""

@@ -238,6 +238,8 @@ def test_every_optimizer_declares_its_state_in_one_spec():
         assert not any(hasattr(cls, name) for name in ("_BUFFERS", "_LAZY", "_SCALARS", "_GROUP_KEYS", "_schedule_state"))
         params = seeded_params((3, 4))
         opt = cls(params, lr=0.1, comm_backend_name="local")
-        assert set(opt.state[params[0]]) == set(spec.eager) | set(spec.scalars)
+        # (and the lazy buffers its configuration needs from the first step: OnebitDiLoCo's sync_input at its defaults)
+        assert set(opt._lazy_at_build()) <= set(spec.lazy)
+        assert set(opt.state[params[0]]) == set(spec.eager) | set(spec.scalars) | set(opt._lazy_at_build())
         saved = spec.schedule.check(opt.state_dict()["param_groups"][0]["onebit"])  # what it saves, it reads back
         assert saved == {s.attribute: getattr(opt, s.attribute) for s in spec.schedule.settings}
