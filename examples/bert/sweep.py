@@ -51,7 +51,8 @@ The runs:
 * ``diloco_h32_bits2_model[_frag<P>]_tau<D>``: the defaults at H 32 (with ``fragments`` P) and
   ``sync_delay`` D (1 or 2: each exchange lands D steps after its outer step, with the local
   progress made meanwhile); ``*_mix0`` / ``*_mix05``: with ``sync_mix`` 0 / 0.5 (the share of that
-  progress kept; default 1); all against ``demo_adam``;
+  progress kept; default 1); ``diloco_h64_bits2_model_frag4_tau2``: the same at H 64, 4 fragments,
+  delay 2; all against ``demo_adam``;
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
@@ -126,6 +127,8 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
         for name in ("diloco_h32", "diloco_h32_bits2_model"):
             params, adam, kind = runs[name]
             runs[f"{name}_frag{fragments}"] = ({**params, "fragments": fragments}, adam, kind)
+    params, adam, kind = runs["diloco_h64_bits2_model"]  # (H 64 with 4 fragments and a delay of 2)
+    runs["diloco_h64_bits2_model_frag4_tau2"] = ({**params, "fragments": 4, "sync_delay": 2}, adam, kind)
     for fragments in (1, 2, 4):  # sync_delay=tau (Streaming DiLoCo's overlap) at the defaults, H 32
         name = "diloco_h32_bits2_model" + ("" if fragments == 1 else f"_frag{fragments}")
         params, adam, kind = runs[name]
