@@ -63,7 +63,8 @@ class Bucket:
 
     def __init__(self, group_index: int, params: list[torch.Tensor], world_size: int, compress: bool,
                  scale_block_size: int | None, buffers: Sequence[str], scalars: Mapping[str, float],
-                 topology: Topology | None = None, homes: Mapping[str, str] | None = None) -> None:
+                 topology: Topology | None = None, homes: Mapping[str, str] | None = None,
+                 error_dtype: torch.dtype = torch.float32) -> None:
         self.group_index = group_index
         self.homes = dict(homes or {})  # buffer name -> "host" for one kept in host memory (see add_buffer)
         self.owners = params
@@ -100,7 +101,8 @@ class Bucket:
         self.same_dtype = all(p.dtype == torch.float32 for p in self.params)
         self.compression: AllreduceState | None = None
         if compress:
-            self.compression = new_state(self.padded, world_size, self.device, self.layout.edges, topology)
+            self.compression = new_state(self.padded, world_size, self.device, self.layout.edges, topology,
+                                         error_dtype)
 
     def refresh(self) -> None:
         """Take the local shards of DTensor parameters afresh (FSDP re-points a shard's storage when

@@ -16,7 +16,7 @@ their scales; every rank decodes the same bytes, so the output is bit-identical 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -190,7 +190,7 @@ class CompressionState(AllreduceState):
     fuses_multipliers = True
 
     def __init__(self, padded: int, world_size: int, device: torch.device | str,
-                 edges: Sequence[int] | None = None) -> None:
+                 edges: Sequence[int] | None = None, error_dtype: torch.dtype = torch.float32) -> None:
         n = world_size
         if edges is None:
             if padded != padded_length(padded, world_size):
@@ -208,6 +208,7 @@ class CompressionState(AllreduceState):
             )
         super().__init__(padded, n, edges)
         self.device = torch.device(device)
+        self.error_dtype = error_dtype
         # Allocated when first needed: an optimizer's warmup never compresses (see ``allocated``).
         self._worker_error: torch.Tensor | None = None
         self._server_error: torch.Tensor | None = None
@@ -241,8 +242,8 @@ class CompressionState(AllreduceState):
 
     def allocate_errors_(self) -> None:
         if self._worker_error is None:
-            self._worker_error = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
-            self._server_error = torch.zeros(self.padded // self.world_size, dtype=torch.float32, device=self.device)
+            self._worker_error = torch.zeros(self.padded, dtype=self.error_dtype, device=self.device)
+            self._server_error = torch.zeros(self.padded // self.world_size, dtype=self.error_dtype, device=self.device)
 
     # The byte buffers of the two collectives (a row per rank, but in ``gather_in``), allocated at
     # the first compression.
@@ -260,7 +261,7 @@ class CompressionState(AllreduceState):
 
     def held_errors(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._worker_error is None:  # zeros of their shapes (a stride-0 view of one float)
-            zero = torch.zeros(1, dtype=torch.float32, device=self.device)
+            zero = torch.zeros(1, dtype=self.error_dtype, device=self.device)
             return zero.expand(self.padded), zero.expand(self.padded // self.world_size)
         return self._worker_error, self._server_error
 
@@ -279,8 +280,8 @@ class CompressionState(AllreduceState):
         """Worker compression of the whole buffer into ``n`` rows; the all-to-all."""
         signs = chunk_bytes(self.padded, self.world_size)
         send, recv = self.send, self.recv
-        error, out = self.stage_errors(kernels, "worker", staged)
-        worker_scales = kernels.worker_compress_(buffer, error, send[:, :signs], bounds=self.bounds, **out, **codec)
+        worker_scales = self._codec(kernels, "worker", staged, lambda error, out: kernels.worker_compress_(
+            buffer, error, send[:, :signs], bounds=self.bounds, **out, **codec))
         write_scale_(send, worker_scales)
         return backend.start_all_to_all(recv, send)
 
@@ -288,11 +289,23 @@ class CompressionState(AllreduceState):
         """Server compression of this rank's chunk; the all-gather."""
         signs = chunk_bytes(self.padded, self.world_size)
         recv, gather_in, gather_out = self.recv, self.gather_in, self.gather_out
-        error, out = self.stage_errors(kernels, "server", staged)
-        server_scales = kernels.server_compress_(
-            recv[:, :signs], read_scales(recv, self.segments), error, gather_in[:signs], bounds=self.bounds, **out)
+        server_scales = self._codec(kernels, "server", staged, lambda error, out: kernels.server_compress_(
+            recv[:, :signs], read_scales(recv, self.segments), error, gather_in[:signs], bounds=self.bounds, **out))
         write_scale_(gather_in.view(1, -1), server_scales)
         return backend.start_all_gather(gather_out, gather_in)
+
+    def _codec(self, kernels: KernelSet, which: str, staged: bool,
+               compress: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]) -> torch.Tensor:
+        """``compress(error, out)`` of a ``'worker'`` or ``'server'`` stage; an error of a type the
+        kernels do not take (bfloat16 for most) goes through a float32 copy, compressed in place and
+        rounded back once into where the new error belongs: the bits the reference kernels give."""
+        error, out = self.stage_errors(kernels, which, staged)
+        if error.dtype in kernels.error_dtypes:
+            return compress(error, out)
+        wide = error.float()
+        scales = compress(wide, {})
+        out.get("error_out", error).copy_(wide)
+        return scales
 
     def finish(self, buffer: torch.Tensor, kernels: KernelSet, keep: torch.Tensor | None,
                codec: dict[str, Any]) -> None:
@@ -309,12 +322,16 @@ class CompressionState(AllreduceState):
 
 
 def new_state(padded: int, world_size: int, device: torch.device | str, edges: Sequence[int],
-              topology: Any = None) -> AllreduceState:
+              topology: Any = None, error_dtype: torch.dtype = torch.float32) -> AllreduceState:
     """The state of a buffer's compressed all-reduce: flat without a ``topology``, else the
     topology's own (``topology.new_state(padded, edges, device)``, e.g.
-    :class:`onebit.hierarchy.Topology`)."""
+    :class:`onebit.hierarchy.Topology`; float32 errors only). ``error_dtype``: the type its
+    compression errors are held in."""
     if topology is None:
-        return CompressionState(padded, world_size, device, edges)
+        return CompressionState(padded, world_size, device, edges, error_dtype)
+    if error_dtype != torch.float32:
+        raise ValueError(f"error_dtype={error_dtype} is not offered with hierarchy= yet (its three error feedbacks "
+                         "are float32); pass error_dtype=torch.float32 or hierarchy=None")
     return topology.new_state(padded, edges, device)
 
 

@@ -64,7 +64,7 @@ from .layout import check_layout, ranks_holding_other
 from .shards import first_shard
 from .stats import InstrumentedBackend, StepTimers, l2_norm, timed_kernels
 from .validation import (as_group, check_common_group, check_engine_options, check_flag, check_params,
-                         check_step_order, claim_params, reduce_dtype_of, refuse_unknown)
+                         check_step_order, claim_params, error_dtype_of, reduce_dtype_of, refuse_unknown)
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,12 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             the compressed steps are unchanged; on one rank nothing is sent, nor rounded.
             ``attach_ddp``'s hook follows it. Not with ``comm_backend_name='mpi'`` (MPI has no
             bfloat16 sum: it would send float32). See ``docs/guides/tuning.md``.
+        error_dtype: the type the compression errors (error feedback: a worker error of the
+            whole buffer and a server error of ``1/n`` of it) are held in: ``torch.float32``
+            (default) or ``torch.bfloat16`` (``"bfloat16"`` in config files): ``2 + 2/n`` bytes per
+            parameter on ``n`` ranks instead of ``4 + 4/n``. Each new error is rounded once to
+            bfloat16 (to nearest even); it is read back exactly. The bytes sent are the same. Not
+            with ``hierarchy``.
 
     torch.optim's flags (``maximize``, ``foreach``, ``fused``, ``capturable``, ``differentiable``,
     ``amsgrad``, ``decoupled_weight_decay``) are taken, as keywords or in param groups, at the values
@@ -205,11 +211,13 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         hierarchy_variant: str = "compressed",
         overlap_backward: bool = False,
         reduce_dtype: Any = None,
+        error_dtype: Any = None,
         **unknown: Any,
     ) -> None:
         self.reduce_dtype, torch_flags = self._check_options(
             unknown, comm_backend_name, backend, bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware,
             hierarchy, hierarchy_variant, overlap_backward, reduce_dtype)
+        self.error_dtype = error_dtype_of(error_dtype, hierarchy)
         # torch.optim's flags at values that change nothing stay in the groups, as torch keeps them
         defaults = as_group({**defaults, **torch_flags, "compress": True})
         self._check_group(defaults)
@@ -423,7 +431,8 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         group = self.param_groups[index]
         for params in split_into_buckets(group["params"], self._bucket_cap()):
             bucket = Bucket(index, params, self._backend.world_size, group["compress"], self.scale_block_size,
-                            self.STATE.eager, self.STATE.scalars, topology=self._topology, homes=self._homes())
+                            self.STATE.eager, self.STATE.scalars, topology=self._topology, homes=self._homes(),
+                            error_dtype=self.error_dtype)
             for i, p in enumerate(bucket.owners):
                 self.state[p] = {**{name: views[i] for name, views in bucket.views.items()},
                                  **{name: values[i] for name, values in bucket.scalars.items()}}

@@ -57,6 +57,7 @@ def simulate_compressed_allreduce(
     *,
     numels: Sequence[int] | None = None,
     scale_block_size: int | None = None,
+    error_dtype: torch.dtype | None = None,
 ) -> SimulationResult:
     """Compressed mean of ``inputs`` (one flat float32 tensor per simulated rank).
 
@@ -66,11 +67,15 @@ def simulate_compressed_allreduce(
     :class:`onebit.compression.SegmentLayout`. Errors are in that layout (worker: the padded
     buffer; server ``j``: chunk ``j`` of every segment, in segment order) and default to zeros;
     they are not modified (new ones are returned). Scales are ``(n, k)``: row ``r`` holds rank
-    (or server) ``r``'s scale of each of the ``k`` segments.
+    (or server) ``r``'s scale of each of the ``k`` segments. ``error_dtype``: the type the new
+    errors are held in (default: the given errors', else float32): each is computed in float32 and
+    rounded once to it (``OnebitOptimizer(error_dtype=...)``).
     """
     n = len(inputs)
     layout, numels, xs = _laid_out(inputs, numels, scale_block_size)
     padded, edges = layout.padded, layout.edges
+    if error_dtype is None:
+        error_dtype = torch.float32 if worker_errors is None else worker_errors[0].dtype
     if worker_errors is None:
         worker_errors = [torch.zeros(padded) for _ in range(n)]
     if server_errors is None:
@@ -78,8 +83,8 @@ def simulate_compressed_allreduce(
     k = len(edges) - 1
     result = SimulationResult(
         output=torch.zeros(padded),  # the padded output until the end
-        worker_errors=[torch.zeros(padded) for _ in range(n)],
-        server_errors=[torch.zeros(padded // n) for _ in range(n)],
+        worker_errors=[torch.zeros(padded, dtype=error_dtype) for _ in range(n)],
+        server_errors=[torch.zeros(padded // n, dtype=error_dtype) for _ in range(n)],
         worker_scales=torch.zeros(n, k),
         worker_signs=[torch.zeros(padded) for _ in range(n)],
         server_scales=torch.zeros(n, k),

@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["is_int", "is_real", "check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
            "check_engine_options", "refuse", "refuse_unknown", "TORCH_FLAGS", "DEEPSPEED_COMMON_REFUSED",
-           "COMPRESSION_SPACES", "check_compression_space", "REDUCE_DTYPES", "reduce_dtype_of",
+           "COMPRESSION_SPACES", "check_compression_space", "REDUCE_DTYPES", "reduce_dtype_of", "error_dtype_of",
            "check_update_bound", "with_tuple_betas", "TORCH_NEUTRAL", "torch_flag_problem", "torch_flags_given",
            "as_group", "check_lr", "claim_params", "check_step_order"]
 
@@ -221,6 +221,22 @@ def reduce_dtype_of(value: Any) -> torch.dtype | None:
     raise ValueError(
         f"invalid reduce_dtype: {value!r}; it must be None or torch.float32 (the default: full precision) or "
         "torch.bfloat16 (half the bytes; float16 is not offered: gradients above 65504 would overflow)")
+
+
+def error_dtype_of(value: Any, hierarchy: Any = None) -> torch.dtype:
+    """``error_dtype``: ``None`` or ``torch.float32`` (the default) or ``torch.bfloat16``; a config
+    file's ``"float32"`` / ``"bfloat16"`` name them. Not bfloat16 with ``hierarchy``."""
+    dtype = REDUCE_DTYPES.get(value, value) if isinstance(value, str) else value
+    if value is None or dtype is torch.float32:
+        return torch.float32
+    if dtype is not torch.bfloat16:
+        raise ValueError(
+            f"invalid error_dtype: {value!r}; it must be torch.float32 (the default) or torch.bfloat16 (compression "
+            "errors in half the memory; float16 is not offered: its range is too small for errors of large values)")
+    if hierarchy is not None:
+        raise ValueError(f"error_dtype={value!r} does not work with hierarchy={hierarchy!r} yet (its error feedbacks "
+                         "are float32); pass one of them")
+    return dtype
 
 
 def refuse(owner: str, options: Mapping[str, Any], refused: Mapping[str, str]) -> None:

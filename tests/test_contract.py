@@ -41,7 +41,8 @@ class Case:
         bound = "-bound" if self.extra.get("update_bound") else ""
         inner = f"-inner{self.extra['inner'].__name__}" if self.extra.get("inner") else ""
         delay = "-delay" if self.schedule.get("sync_delay") else ""
-        return self.cls.__name__ + (f"-{space}" if space else "") + auto + overlap + bound + inner + delay
+        errors = "-bf16errors" if self.extra.get("error_dtype") else ""
+        return self.cls.__name__ + (f"-{space}" if space else "") + auto + overlap + bound + inner + delay + errors
 
     def make(self, params, lr: float = 1e-2, **kwargs):
         return self.cls(params, lr=lr, comm_backend_name="local", **{**self.schedule, **self.extra, **kwargs})
@@ -57,7 +58,8 @@ def _cases(cls: type, schedule: dict[str, Any]) -> list[Case]:
         # sync_delay: each outer step's exchange lands at the next step, with the progress made meanwhile)
         return [Case(cls, schedule, base), Case(cls, schedule, {**base, "compression": "none"}),
                 Case(cls, schedule, {**base, "inner": torch.optim.AdamW}),
-                Case(cls, {**schedule, "sync_delay": 1}, base)]
+                Case(cls, {**schedule, "sync_delay": 1}, base),
+                Case(cls, {**schedule, "sync_delay": 1}, {**base, "error_dtype": torch.bfloat16})]
     cases = [Case(cls, schedule, base), Case(cls, schedule, {**base, "compression_space": "preconditioned"})]
     if "freeze_step" in schedule:
         # freeze_step='auto' whose latest bound makes it freeze when the schedule does
@@ -66,6 +68,8 @@ def _cases(cls: type, schedule: dict[str, Any]) -> list[Case]:
         cases.append(Case(cls, schedule, {**base, "update_bound": 0.5}))
     # overlap_backward: the communication starts from gradient hooks during backward
     cases.append(Case(cls, schedule, {**base, "overlap_backward": True}))
+    # error_dtype: the compression errors held in bfloat16 (staged ones too, with the overlap)
+    cases.append(Case(cls, schedule, {**base, "overlap_backward": True, "error_dtype": torch.bfloat16}))
     return cases
 
 

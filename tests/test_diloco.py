@@ -77,7 +77,7 @@ def test_inner_steps_are_torch_adamw():
 
 def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentum: float = 0.9,
              compression: str = "onebit", error_feedback: str = "buffer", outer_bits: int = 1,
-             inner=lambda params: torch.optim.AdamW(params, lr=LR)) -> list[list]:
+             inner=lambda params: torch.optim.AdamW(params, lr=LR), error_dtype=None) -> list[list]:
     """Every rank's parameters after every step, from the maths (see the module docstring);
     ``error_feedback="model"``: the worker errors start every outer step at 0, and each rank
     continues from the global parameters minus its own (unpadded) worker error. ``outer_bits=2``:
@@ -101,12 +101,13 @@ def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentu
             if compression == "none":
                 average = torch.stack(deltas).sum(0) / world_size
             else:
-                sim = simulate_compressed_allreduce(deltas, *errors, numels=numels)
+                sim = simulate_compressed_allreduce(deltas, *errors, numels=numels, error_dtype=error_dtype)
                 errors, average = (sim.worker_errors, sim.server_errors), sim.output
                 if outer_bits == 2:  # the residuals, with the second pass's (carried) server errors
                     starts = SegmentLayout.build(numels, world_size).starts
                     residuals = [torch.cat([e[a:a + k] for a, k in zip(starts, numels)]) for e in sim.worker_errors]
-                    again = simulate_compressed_allreduce(residuals, None, sim.server_errors, numels=numels)
+                    again = simulate_compressed_allreduce(residuals, None, sim.server_errors, numels=numels,
+                                                          error_dtype=error_dtype)
                     errors, average = (again.worker_errors, again.server_errors), average + again.output
             for g, piece in zip(glob.parameters(), average.split(numels)):
                 g.grad = piece.view_as(g).clone()
@@ -126,11 +127,11 @@ def simulate(world_size: int, steps: int = STEPS, outer_lr: float = 0.7, momentu
 
 
 def _train_rank(rank: int, world_size: int, compression: str = "onebit", error_feedback: str | None = None,
-                outer_bits: int | None = None) -> dict:
+                outer_bits: int | None = None, error_dtype: torch.dtype | None = None) -> dict:
     model = _model()
     opt = OnebitDiLoCo(model.parameters(), lr=LR, sync_every=H, outer_lr=0.7, outer_momentum=0.9,
                        comm_backend_name="gloo", compression=compression, error_feedback=error_feedback,
-                       outer_bits=outer_bits)
+                       outer_bits=outer_bits, error_dtype=error_dtype)
     trajectory, identical, sent = [], [], []
     for t in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
@@ -148,6 +149,8 @@ def _both_rank(rank: int, world_size: int) -> dict:
     # (one pass with the classic error feedback, the simulation's first scheme; then each option alone)
     return {"onebit": _train_rank(rank, world_size, "onebit", "buffer", 1), "none": _train_rank(rank, world_size, "none"),
             "model": _train_rank(rank, world_size, "onebit", "model", 1),
+            "model_bf16": _train_rank(rank, world_size, "onebit", "model", 1, torch.bfloat16),
+            "two_bf16": _train_rank(rank, world_size, "onebit", "buffer", 2, torch.bfloat16),
             "two": _train_rank(rank, world_size, "onebit", "buffer", 2)}
 
 
@@ -201,6 +204,23 @@ def test_error_feedback_in_the_model_follows_the_simulation(ranks):
     # not the buffer's trajectory: the residual moved the parameters after the first outer step
     assert not all(torch.equal(a, b) for a, b in zip(both[0]["model"]["trajectory"][H], both[0]["onebit"]["trajectory"][H]))
     assert both[0]["model"]["stats"]["outer"]["bytes_sent"] == both[0]["onebit"]["stats"]["outer"]["bytes_sent"]
+
+
+@pytest.mark.slow
+def test_bfloat16_errors_follow_the_simulation(ranks):
+    """error_dtype=torch.bfloat16 with error_feedback='model': the residual each rank keeps in its
+    parameters is its worker error rounded once to bfloat16, as is the server error it carries;
+    with outer_bits=2 the second pass compresses the first's bfloat16 errors."""
+    world_size, both = ranks
+    for run, options in (("model_bf16", dict(error_feedback="model")), ("two_bf16", dict(outer_bits=2))):
+        expected = simulate(world_size, error_dtype=torch.bfloat16, **options)
+        for rank, r in enumerate(both):
+            for t, (mine, theirs) in enumerate(zip(r[run]["trajectory"], expected), start=1):
+                for a, b in zip(mine, theirs[rank]):
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{run} rank {rank} step {t}")
+    # not float32's residuals (so the comparison can fail)
+    last = both[0]["model_bf16"]["trajectory"][-1]
+    assert max(float((a - b).abs().max()) for a, b in zip(last, both[0]["model"]["trajectory"][-1])) > 1e-5
 
 
 @pytest.mark.slow

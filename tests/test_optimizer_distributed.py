@@ -49,10 +49,11 @@ def _tensors_in(params, begin: int, end: int) -> list[int]:
     return sizes
 
 
-def simulate(world_size, steps, freeze_step, start=None, buckets=None, scale_block_size=None):
+def simulate(world_size, steps, freeze_step, start=None, buckets=None, scale_block_size=None, error_dtype=None):
     """The whole optimizer for ``world_size`` simulated ranks, from the maths. ``buckets``: the
     ``(begin, end)`` ranges of the flat parameter vector compressed separately (default: one);
-    inside each, every tensor (or block of ``scale_block_size``) has its own scales."""
+    inside each, every tensor (or block of ``scale_block_size``) has its own scales;
+    ``error_dtype``: the type the compression errors are held in."""
     model = _model()
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
@@ -84,7 +85,7 @@ def simulate(world_size, steps, freeze_step, start=None, buckets=None, scale_blo
             for k, (begin, end) in enumerate(buckets):
                 sim = simulate_compressed_allreduce([x[begin:end] for x in local], *errors[k],
                                                     numels=_tensors_in(params, begin, end),
-                                                    scale_block_size=scale_block_size)
+                                                    scale_block_size=scale_block_size, error_dtype=error_dtype)
                 errors[k] = (sim.worker_errors, sim.server_errors)
                 pieces.append(sim.output)
             m = torch.cat(pieces)
@@ -101,12 +102,12 @@ def simulate(world_size, steps, freeze_step, start=None, buckets=None, scale_blo
 
 
 def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkpoint_out=None,
-                bucket_size=2**24, scale_block_size=None):
+                bucket_size=2**24, scale_block_size=None, error_dtype=None, kernels=None, round_errors=False):
     model = _model()
     opt = OnebitAdam(model.parameters(), lr=LR, freeze_step=freeze_step, betas=BETAS, eps=EPS, weight_decay=WD,
                      comm_backend_name="gloo", momentum_masks={model[0].weight: _mask(model)},
-                     bucket_size=bucket_size, scale_block_size=scale_block_size,
-                     compression_space="momentum")  # (what simulate() follows: DeepSpeed's numerics)
+                     bucket_size=bucket_size, scale_block_size=scale_block_size, error_dtype=error_dtype,
+                     kernels=kernels, compression_space="momentum")  # (what simulate() follows: DeepSpeed's numerics)
     first = 0
     if checkpoint_in is not None:
         saved = torch.load(checkpoint_in)
@@ -119,6 +120,10 @@ def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkp
     for t in range(first + 1, first + steps + 1):
         _grads(model, rank, t)
         opt.step()
+        if round_errors:  # each new error rounded once to bfloat16 (held in float32)
+            for errors in opt.compression_errors():
+                for error in errors:
+                    error.copy_(error.bfloat16())
         snapshots.append([p.detach().clone() for p in model.parameters()])
         masked_zero.append(bool(torch.all(opt.state[model[0].weight]["exp_avg"][5:] == 0)))
     if checkpoint_out is not None and rank == 0:
@@ -126,7 +131,8 @@ def _train_rank(rank, world_size, steps, freeze_step, checkpoint_in=None, checkp
         torch.save({"params": snapshots[-1], "optimizer": sd, "step": sd["param_groups"][0]["onebit"]["step"],
                     "state": sd["state"]}, checkpoint_out)
     return {"snapshots": snapshots, "masked_zero": masked_zero, "phase": opt.phase, "stats": opt.comm_stats(),
-            "buckets": [b.numel for b in opt._buckets]}
+            "buckets": [b.numel for b in opt._buckets],
+            "errors": [(w.clone(), s.clone()) for w, s in opt.compression_errors()]}
 
 
 @pytest.mark.slow
@@ -152,6 +158,39 @@ def test_trajectory_matches_simulation_in_both_phases(tmp_path, world_size, buck
     assert all(all(r["masked_zero"]) for r in results)
     assert results[0]["stats"]["warmup"]["steps"] == freeze_step
     assert results[0]["stats"]["compression"]["steps"] == steps - freeze_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,bucket_size", [(2, 2**24), (3, 30)])
+def test_bfloat16_errors_round_each_new_error_once_on_every_kernel_set(tmp_path, world_size, bucket_size):
+    """error_dtype=torch.bfloat16 holds the errors in bfloat16: bit for bit a float32 run whose new
+    errors are rounded to bfloat16 after each step, with the native CPU kernels (through a float32
+    copy) and the reference kernels alike; and, on 2 ranks, the simulation with bfloat16 errors.
+    (On 3 ranks the engine and the simulation differ in float32's last bit, which a bfloat16
+    rounding can turn into one bfloat16 unit of an error: their trajectories then part by ~5e-6.)"""
+    steps, freeze_step = 8, 3
+    args = (steps, freeze_step, None, None, bucket_size, None)
+    runs = {kernels: run_ranks(_train_rank, world_size, tmp_path / kernels, *args, torch.bfloat16, kernels)
+            for kernels in ("auto", "reference")}
+    rounded = run_ranks(_train_rank, world_size, tmp_path / "rounded", *args, None, "auto", True)
+    for results in runs.values():
+        for rank in range(world_size):
+            assert all(w.dtype == s.dtype == torch.bfloat16 for w, s in results[rank]["errors"])
+            for t in range(steps):
+                assert all(torch.equal(a, b) for a, b in zip(results[rank]["snapshots"][t], rounded[rank]["snapshots"][t]))
+            assert all(torch.equal(a.float(), b) and torch.equal(c.float(), d)
+                       for (a, c), (b, d) in zip(results[rank]["errors"], rounded[rank]["errors"]))
+    if world_size == 2:
+        offsets = [0, 48, 56, 83]
+        buckets = [(0, 83)] if bucket_size == 2**24 else list(zip(offsets, offsets[1:]))
+        expected = simulate(world_size, steps, freeze_step, buckets=buckets, error_dtype=torch.bfloat16)
+        for t in range(steps):
+            for a, b in zip(runs["auto"][0]["snapshots"][t], expected[t]):
+                torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+    # float32 errors take another path (so the comparisons above can fail)
+    plain = run_ranks(_train_rank, world_size, tmp_path / "float32", *args, None, "auto")
+    gap = max(float((a - b).abs().max()) for a, b in zip(plain[0]["snapshots"][-1], rounded[0]["snapshots"][-1]))
+    assert gap > 1e-5, gap
 
 
 def _counted(name: str):

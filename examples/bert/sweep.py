@@ -56,6 +56,8 @@ The runs:
 * ``*_block<K>``: the 1-bit run with ``scale_block_size = K`` (one scale per K elements);
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
+* ``*_bf16err``: the 1-bit run with ``error_dtype = "bfloat16"`` (its compression errors held in
+  bfloat16: half their memory);
 * ``*_pre`` / ``*_mom``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit
   all-reduce averages ``m / (sqrt(v) + eps)``; the default of 1-bit Adam and 1-bit LAMB) /
   ``"momentum"`` (it averages ``m``: DeepSpeed's numerics, the default before 2026-11-26).
@@ -167,6 +169,9 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
             runs[f"{name}_pre"] = ({**params, "compression_space": "preconditioned"}, adam, kind)
             if kind == "ZeroOneAdam" or params.get("update_bound") is None:  # (1-bit Adam's bound is refused there)
                 runs[f"{name}_mom"] = ({**params, "compression_space": "momentum"}, adam, kind)
+    for name, (params, adam, kind) in list(runs.items()):
+        if name != adam:  # a 1-bit run
+            runs[f"{name}_bf16err"] = ({**params, "error_dtype": "bfloat16"}, adam, kind)
     return runs
 
 

@@ -90,11 +90,13 @@ def check_limit(limit: float | None, multiplier: torch.Tensor | None) -> None:
     _require(multiplier is not None, "worker_compress_: limit clamps x * multiplier; give a multiplier with it")
 
 
-def check_worker(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, device_type: str) -> int:
-    """Validate worker arguments; return the element count."""
+def check_worker(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, device_type: str,
+                 error_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
+    """Validate worker arguments (``error`` of one of ``error_dtypes``); return the element count."""
     n = x.numel()
-    _require(x.dtype == torch.float32 and error.dtype == torch.float32,
-             f"worker_compress_ needs float32 x and error, got {x.dtype} and {error.dtype}")
+    _require(x.dtype == torch.float32 and error.dtype in error_dtypes,
+             f"worker_compress_ needs float32 x and an error of {' or '.join(map(str, error_dtypes))}, got {x.dtype} "
+             f"and {error.dtype}")
     _require(error.numel() == n, f"worker_compress_: error has {error.numel()} elements, x has {n}")
     _require(n % 8 == 0, f"worker_compress_ needs a length that is a multiple of 8, got {n}")
     _require(packed.dtype == torch.uint8 and packed.numel() * 8 == n,
@@ -106,8 +108,9 @@ def check_worker(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, dev
 
 
 def check_server(signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
-                 device_type: str, segments: int = 1) -> int:
-    """Validate server arguments (``scales``: ``(n, segments)`` values); return the chunk length in elements."""
+                 device_type: str, segments: int = 1, error_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
+    """Validate server arguments (``scales``: ``(n, segments)`` values; ``error`` of one of
+    ``error_dtypes``); return the chunk length in elements."""
     _require(signs.dim() == 2 and signs.dtype == torch.uint8,
              f"server_compress_: signs must be a 2-d uint8 tensor (n, L/8), got {signs.dtype} {tuple(signs.shape)}")
     nrows, cols = signs.shape
@@ -117,7 +120,8 @@ def check_server(signs: torch.Tensor, scales: torch.Tensor, error: torch.Tensor,
     _require(scales.dtype == torch.float32 and scales.numel() == nrows * segments,
              f"server_compress_: scales must be float32 with {nrows * segments} elements ({nrows} ranks x "
              f"{segments} segments), got {scales.dtype} with {scales.numel()}")
-    _require(error.dtype == torch.float32, f"server_compress_: error must be float32, got {error.dtype}")
+    _require(error.dtype in error_dtypes,
+             f"server_compress_: error must be {' or '.join(map(str, error_dtypes))}, got {error.dtype}")
     _require(packed.dtype == torch.uint8 and packed.numel() == cols,
              f"server_compress_: packed must be uint8 with {cols} bytes, got {packed.dtype} with {packed.numel()}")
     _require(signs.device.type == scales.device.type == error.device.type == packed.device.type == device_type,

@@ -52,9 +52,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["load", "build", "compiler_command", "cache_dir", "CACHE_ENV_VAR"]
 
 CACHE_ENV_VAR = "ONEBIT_CACHE_DIR"
+#: The compression errors these kernels read and write: float32, and bfloat16 as its 16 bits.
+ERROR_DTYPES = (torch.float32, torch.bfloat16)
 SOURCE_NAME = "cpu_kernels.cpp"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fvisibility=hidden")
-ABI = 6
+ABI = 7
 
 _c_ptr = ctypes.c_void_p
 _c_i64 = ctypes.c_int64
@@ -148,10 +150,10 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.onebit_cpu_sumsq.argtypes = [_c_ptr, _c_i64, _c_int]
     lib.onebit_cpu_sumsq.restype = ctypes.c_double
     lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, ctypes.c_float, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64,
-                                      _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]
+                                      _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
     lib.onebit_cpu_worker.restype = None
     lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64,
-                                      _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]
+                                      _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
     lib.onebit_cpu_server.restype = None
     lib.onebit_cpu_decode.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr,
                                       _c_ptr, _c_int]
@@ -195,7 +197,7 @@ class CpuKernels:
                          bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None,
                          multiplier: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.worker_compress_`: returns the ``(k,)`` scales."""
-        total = check_worker(x, error, packed, "cpu")
+        total = check_worker(x, error, packed, "cpu", ERROR_DTYPES)
         check_limit(limit, multiplier)
         target = _error_target(error, error_out)
         ms = _multiplier(multiplier, total, "worker_compress_")
@@ -209,7 +211,7 @@ class CpuKernels:
         self.lib.onebit_cpu_worker(xs.data_ptr(), None if ms is None else ms.data_ptr(),
                                    math.inf if limit is None else limit, es.data_ptr(), eo.data_ptr(), total,
                                    table.data_ptr(), k, nrows, out.tensor.data_ptr(), out.row_len, out.row_stride,
-                                   scales.data_ptr(), torch.get_num_threads())
+                                   scales.data_ptr(), torch.get_num_threads(), int(error.dtype == torch.bfloat16))
         out.finish_()
         if eo.data_ptr() != target.data_ptr():
             target.copy_(eo.view(target.shape))
@@ -219,7 +221,7 @@ class CpuKernels:
                          packed: torch.Tensor, *, bounds: torch.Tensor | None = None,
                          error_out: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.server_compress_`: returns the ``(k,)`` server scales."""
-        n = check_server(signs, scales, error, packed, "cpu", claimed_segments(bounds))
+        n = check_server(signs, scales, error, packed, "cpu", claimed_segments(bounds), ERROR_DTYPES)
         target = _error_target(error, error_out)
         nrows = signs.shape[0]
         table, k = self._table(bounds, n * nrows, 8 * nrows, "server_compress_")
@@ -230,7 +232,8 @@ class CpuKernels:
         result = torch.empty(k, dtype=torch.float32)
         self.lib.onebit_cpu_server(rows.tensor.data_ptr(), nrows, rows.row_stride, sc.data_ptr(), es.data_ptr(),
                                    eo.data_ptr(), n, table.data_ptr(), k, out.tensor.data_ptr(), out.row_len,
-                                   out.row_stride, result.data_ptr(), torch.get_num_threads())
+                                   out.row_stride, result.data_ptr(), torch.get_num_threads(),
+                                   int(error.dtype == torch.bfloat16))
         out.finish_()
         if eo.data_ptr() != target.data_ptr():
             target.copy_(eo.view(target.shape))
@@ -257,7 +260,7 @@ class CpuKernels:
     def kernel_set(self) -> KernelSet:
         return KernelSet(name="cpu", worker_compress_=self.worker_compress_,
                          server_compress_=self.server_compress_, decode_=self.decode_, separate_errors=True,
-                         multipliers=True, limits=True)
+                         multipliers=True, limits=True, error_dtypes=ERROR_DTYPES)
 
 
 _KERNELS: CpuKernels | None = None
@@ -275,13 +278,14 @@ register("cpu", lambda: load().kernel_set(), native_for="cpu")
 
 
 def _error_target(error: torch.Tensor, error_out: torch.Tensor | None) -> torch.Tensor:
-    """Where the new error goes: ``error`` itself, or ``error_out`` (same shape, float32, CPU,
-    not overlapping ``error``: the kernel reads one while it writes the other)."""
+    """Where the new error goes: ``error`` itself, or ``error_out`` (``error``'s shape and type,
+    CPU, not overlapping ``error``: the kernel reads one while it writes the other)."""
     if error_out is None or error_out is error:
         return error
-    if error_out.shape != error.shape or error_out.dtype != torch.float32 or error_out.device.type != "cpu":
-        raise ValueError(f"error_out must be a float32 CPU tensor of shape {tuple(error.shape)}, got {error_out.dtype} "
-                         f"{tuple(error_out.shape)} on {error_out.device}")
+    if error_out.shape != error.shape or error_out.dtype != error.dtype or error_out.device.type != "cpu":
+        kind = str(error.dtype).replace("torch.", "")
+        raise ValueError(f"error_out must be a {kind} CPU tensor of shape {tuple(error.shape)} (the error's), got "
+                         f"{error_out.dtype} {tuple(error_out.shape)} on {error_out.device}")
     return error_out
 
 

@@ -25,12 +25,17 @@
 // Every other operation is one IEEE float32 operation per element (add, subtract, multiply,
 // divide by n), in the same order as the reference. Negation only flips the sign bit, so q*s is s with its sign
 // bit flipped where q = -1. Build with -ffp-contract=off (cpu.py does).
+//
+// Errors. The compression errors are float32, or bfloat16 held as their 16 bits (error_dtype):
+// read exactly (the bits shifted up), each new error computed in float32 and rounded once to
+// nearest even, as torch rounds a float32 to bfloat16 (a NaN gives 0x7fc0).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -97,6 +102,28 @@ float scale_from_sumsq(double sumsq, int64_t n) {
 }
 
 inline bool positive(float v) { return !(v < 0.0f); }  // 0, -0.0 and NaN code as +1
+
+// The two error types: T is what one element is stored as; get reads it as a float, put stores one.
+struct F32Err {
+    using T = float;
+    static float get(const T* e, int64_t i) { return e[i]; }
+    static void put(T* e, int64_t i, float v) { e[i] = v; }
+};
+
+struct Bf16Err {
+    using T = uint16_t;
+    static float get(const T* e, int64_t i) {
+        const uint32_t u = static_cast<uint32_t>(e[i]) << 16;
+        float f;
+        std::memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    static void put(T* e, int64_t i, float v) {
+        uint32_t u;
+        std::memcpy(&u, &v, sizeof u);
+        e[i] = v != v ? uint16_t{0x7fc0} : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+};
 
 // q_j * s for bit (7 - j) of `byte`: s, or s with its sign bit flipped (which is exactly -s).
 inline float signed_value(float s, unsigned byte, int j) {
@@ -170,12 +197,13 @@ struct PlainSource {  // the sum-of-squares test hook
     }
 };
 
+template <typename E>
 struct WorkerSource {  // b = x + e
     const float* x;
-    const float* e;
-    float value(int64_t i) const { return x[i] + e[i]; }
+    const typename E::T* e;
+    float value(int64_t i) const { return x[i] + E::get(e, i); }
     void value8(int64_t i, float* v) const {
-        for (int j = 0; j < 8; ++j) v[j] = x[i + j] + e[i + j];
+        for (int j = 0; j < 8; ++j) v[j] = x[i + j] + E::get(e, i + j);
     }
 };
 
@@ -197,13 +225,27 @@ struct ScaledWorkerSource {
     }
 };
 
+// The same b, computed again in each pass (an error narrower than b cannot hold it in between).
+template <typename E>
+struct ScaledAgainSource {
+    const float* x;
+    const float* m;
+    const typename E::T* e;
+    float limit;
+    float value(int64_t i) const { return clamped(x[i] * m[i], limit) + E::get(e, i); }
+    void value8(int64_t i, float* v) const {
+        for (int j = 0; j < 8; ++j) v[j] = clamped(x[i + j] * m[i + j], limit) + E::get(e, i + j);
+    }
+};
+
+template <typename E>
 struct ServerSource {  // c = (s_0 q_0 + s_1 q_1 + ... ) / nrows + e, in rank order
     const uint8_t* signs;
     int64_t sign_stride;  // bytes between the rows of signs
     const float* scales;  // rank r's scale at scales[r * scale_stride]
     int64_t scale_stride;
     int64_t nrows;
-    const float* e;
+    const typename E::T* e;
     float value(int64_t i) const {
         float v[8];
         value8(i & ~int64_t{7}, v);
@@ -218,7 +260,7 @@ struct ServerSource {  // c = (s_0 q_0 + s_1 q_1 + ... ) / nrows + e, in rank or
             for (int j = 0; j < 8; ++j) v[j] = v[j] + signed_value(s, bits, j);
         }
         const float n = static_cast<float>(nrows);
-        for (int j = 0; j < 8; ++j) v[j] = v[j] / n + e[i + j];
+        for (int j = 0; j < 8; ++j) v[j] = v[j] / n + E::get(e, i + j);
     }
 };
 
@@ -244,8 +286,8 @@ void block_lanes_scalar(const Src& src, int64_t start, int64_t end, double* lane
 }
 
 // Pack bytes [b0, b0 + count) into out[0..count), with the error update.
-template <typename Src>
-void pack_scalar(const Src& src, float* e, float s, int64_t b0, int64_t count, uint8_t* out) {
+template <typename E, typename Src>
+void pack_scalar(const Src& src, typename E::T* e, float s, int64_t b0, int64_t count, uint8_t* out) {
     float v[8];
     for (int64_t k = 0; k < count; ++k) {
         const int64_t i0 = (b0 + k) * 8;
@@ -254,7 +296,7 @@ void pack_scalar(const Src& src, float* e, float s, int64_t b0, int64_t count, u
         for (int j = 0; j < 8; ++j) {
             const bool bit = positive(v[j]);
             byte = (byte << 1) | static_cast<unsigned>(bit);
-            e[i0 + j] = v[j] - (bit ? s : -s);
+            E::put(e, i0 + j, v[j] - (bit ? s : -s));
         }
         out[k] = static_cast<uint8_t>(byte);
     }
@@ -315,11 +357,29 @@ struct PlainAvx2 {
     }
 };
 
+// Eight errors as floats, and eight floats stored as errors (bfloat16: rounded to nearest even).
+ONEBIT_AVX2 inline __m256 load_errors(const float* e) { return _mm256_loadu_ps(e); }
+ONEBIT_AVX2 inline __m256 load_errors(const uint16_t* e) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+ONEBIT_AVX2 inline void store_errors(float* e, __m256 v) { _mm256_storeu_ps(e, v); }
+ONEBIT_AVX2 inline void store_errors(uint16_t* e, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(e), packed);
+}
+
+template <typename E>
 struct WorkerAvx2 {
     const float* x;
-    const float* e;
+    const typename E::T* e;
     ONEBIT_AVX2 __m256 load8(int64_t i) const {
-        return _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(e + i));
+        return _mm256_add_ps(_mm256_loadu_ps(x + i), load_errors(e + i));
     }
     ONEBIT_AVX2 void load32(int64_t i, __m256* v) const {
         for (int q = 0; q < 4; ++q) v[q] = load8(i + 8 * q);
@@ -346,8 +406,26 @@ struct ScaledWorkerAvx2 {
     }
 };
 
+template <typename E>
+struct ScaledAgainAvx2 {
+    const float* x;
+    const float* m;
+    const typename E::T* e;
+    float limit;
+    ONEBIT_AVX2 __m256 load8(int64_t i) const {  // as ScaledWorkerAvx2, without storing b
+        const __m256 hi = _mm256_set1_ps(limit);
+        const __m256 lo = _mm256_set1_ps(-limit);
+        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(m + i));
+        return _mm256_add_ps(_mm256_max_ps(lo, _mm256_min_ps(hi, p)), load_errors(e + i));
+    }
+    ONEBIT_AVX2 void load32(int64_t i, __m256* v) const {
+        for (int q = 0; q < 4; ++q) v[q] = load8(i + 8 * q);
+    }
+};
+
+template <typename E>
 struct ServerAvx2 {
-    ServerSource src;
+    ServerSource<E> src;
     // For a power-of-two rank count, acc * (1/n) is exactly acc / n (the reciprocal is exact, and
     // both round the same real number once); a multiply is much cheaper than a divide.
     bool pow2 = src.nrows > 0 && (src.nrows & (src.nrows - 1)) == 0;
@@ -355,7 +433,7 @@ struct ServerAvx2 {
     ONEBIT_AVX2 __m256 finish(__m256 acc, int64_t i) const {
         const float n = static_cast<float>(src.nrows);
         const __m256 mean = pow2 ? _mm256_mul_ps(acc, _mm256_set1_ps(1.0f / n)) : _mm256_div_ps(acc, _mm256_set1_ps(n));
-        return _mm256_add_ps(mean, _mm256_loadu_ps(src.e + i));
+        return _mm256_add_ps(mean, load_errors(src.e + i));
     }
     ONEBIT_AVX2 __m256 load8(int64_t i) const {
         const int64_t byte = i >> 3;
@@ -406,14 +484,15 @@ ONEBIT_AVX2 void block_lanes_avx2(const Src& src, int64_t start, int64_t count, 
     for (int q = 0; q < 8; ++q) _mm256_storeu_pd(lanes + 4 * q, acc[q]);
 }
 
-ONEBIT_AVX2 inline unsigned pack8_avx2(__m256 v, __m256 ps, float* e) {
+template <typename T>
+ONEBIT_AVX2 inline unsigned pack8_avx2(__m256 v, __m256 ps, T* e) {
     const unsigned byte = sign_byte(v);
-    _mm256_storeu_ps(e, _mm256_sub_ps(v, signed_scale(ps, byte)));  // e = v - q*s
+    store_errors(e, _mm256_sub_ps(v, signed_scale(ps, byte)));  // e = v - q*s
     return byte;
 }
 
-template <typename Src>
-ONEBIT_AVX2 void pack_avx2(const Src& src, float* e, float s, int64_t b0, int64_t count, uint8_t* out) {
+template <typename T, typename Src>
+ONEBIT_AVX2 void pack_avx2(const Src& src, T* e, float s, int64_t b0, int64_t count, uint8_t* out) {
     const __m256 ps = _mm256_set1_ps(s);
     int64_t k = 0;
     __m256 v[4];
@@ -520,8 +599,9 @@ void segment_sumsq(const Segments& seg, const SrcOf& src_of, const VecOf& vec_of
     for (int64_t i = 0; i < seg.k; ++i) sums[i] = pairwise_tree(partial.data() + first[i], first[i + 1] - first[i]);
 }
 
-template <typename Src, typename Vec>
-void pack(const Src& src, const Vec& vec, bool avx2, float* e, float s, int64_t b0, int64_t count, uint8_t* out) {
+template <typename E, typename Src, typename Vec>
+void pack(const Src& src, const Vec& vec, bool avx2, typename E::T* e, float s, int64_t b0, int64_t count,
+          uint8_t* out) {
 #if ONEBIT_X86
     if (avx2) {
         pack_avx2(vec, e, s, b0, count, out);
@@ -531,16 +611,16 @@ void pack(const Src& src, const Vec& vec, bool avx2, float* e, float s, int64_t 
     (void)avx2;
     (void)vec;
 #endif
-    pack_scalar(src, e, s, b0, count, out);
+    pack_scalar<E>(src, e, s, b0, count, out);
 }
 
 // Every segment's scale from its sum of squares, then the pack and error update of the `total / 8`
 // input bytes: chunk j of segment i into row j of `out` (`rows` rows of total / (8 rows) bytes).
 // (The sums read the sources of sum_src_of / sum_vec_of, the pack those of src_of / vec_of: the
 // same values, read again or stored by the first pass.)
-template <typename SumSrcOf, typename SumVecOf, typename SrcOf, typename VecOf>
+template <typename E, typename SumSrcOf, typename SumVecOf, typename SrcOf, typename VecOf>
 void compress(const Segments& seg, const SumSrcOf& sum_src_of, const SumVecOf& sum_vec_of, const SrcOf& src_of,
-              const VecOf& vec_of, float* e, int64_t total, int64_t rows, const ByteRows& out, float* scales,
+              const VecOf& vec_of, typename E::T* e, int64_t total, int64_t rows, const ByteRows& out, float* scales,
               int threads) {
     std::vector<double> sums(seg.k);
     segment_sumsq(seg, sum_src_of, sum_vec_of, threads, sums.data());
@@ -553,7 +633,7 @@ void compress(const Segments& seg, const SumSrcOf& sum_src_of, const SumVecOf& s
             const auto src = src_of(i);
             const auto vec = vec_of(i);
             for_each_run(out, wire, wire + count, [&](int64_t w0, int64_t c, uint8_t* dst) {
-                pack(src, vec, avx2, e, scales[i], first + (w0 - wire), c, dst);
+                pack<E>(src, vec, avx2, e, scales[i], first + (w0 - wire), c, dst);
             });
         });
     });
@@ -561,15 +641,58 @@ void compress(const Segments& seg, const SumSrcOf& sum_src_of, const SumVecOf& s
 
 #if ONEBIT_X86
 using PlainVec = PlainAvx2;
-using WorkerVec = WorkerAvx2;
+template <typename E> using WorkerVec = WorkerAvx2<E>;
 using ScaledWorkerVec = ScaledWorkerAvx2;
-using ServerVec = ServerAvx2;
+template <typename E> using ScaledAgainVec = ScaledAgainAvx2<E>;
+template <typename E> using ServerVec = ServerAvx2<E>;
 #else
 using PlainVec = PlainSource;
-using WorkerVec = WorkerSource;
+template <typename E> using WorkerVec = WorkerSource<E>;
 using ScaledWorkerVec = ScaledWorkerSource;
-using ServerVec = ServerSource;
+template <typename E> using ScaledAgainVec = ScaledAgainSource<E>;
+template <typename E> using ServerVec = ServerSource<E>;
 #endif
+
+// The worker of onebit_cpu_worker for one error type.
+template <typename E>
+void worker(const float* x, const float* m, float limit, const typename E::T* e, typename E::T* e_out, int64_t total,
+            const Segments& seg, int64_t nrows, const ByteRows& rows, float* scales_out, int t) {
+    if constexpr (std::is_same_v<E, F32Err>) {
+        if (m) {  // b stored into e_out by the sums' pass, packed from there
+            float* b = e_out;
+            const float* ef = e;
+            const auto stored = [b](int64_t) { return PlainSource{b}; };
+            const auto stored_vec = [b](int64_t) { return PlainVec{b}; };
+            compress<F32Err>(seg, [=](int64_t) { return ScaledWorkerSource{x, m, ef, b, limit}; },
+                             [=](int64_t) { return ScaledWorkerVec{x, m, ef, b, limit}; }, stored, stored_vec, b,
+                             total, nrows, rows, scales_out, t);
+            return;
+        }
+    }
+    if (m) {  // (a narrower error) b computed again by the pack pass
+        const auto src_of = [=](int64_t) { return ScaledAgainSource<E>{x, m, e, limit}; };
+        const auto vec_of = [=](int64_t) { return ScaledAgainVec<E>{x, m, e, limit}; };
+        compress<E>(seg, src_of, vec_of, src_of, vec_of, e_out, total, nrows, rows, scales_out, t);
+        return;
+    }
+    const auto src_of = [x, e](int64_t) { return WorkerSource<E>{x, e}; };
+    const auto vec_of = [x, e](int64_t) { return WorkerVec<E>{x, e}; };
+    compress<E>(seg, src_of, vec_of, src_of, vec_of, e_out, total, nrows, rows, scales_out, t);
+}
+
+// The server of onebit_cpu_server for one error type.
+template <typename E>
+void server(const uint8_t* signs, int64_t nrows, int64_t sign_stride, const float* scales, const typename E::T* e,
+            typename E::T* e_out, int64_t n, const int64_t* bounds, int64_t k, const ByteRows& out, float* scales_out,
+            int t) {
+    const auto src_of = [=](int64_t i) { return ServerSource<E>{signs, sign_stride, scales + i, k, nrows, e}; };
+#if ONEBIT_X86
+    const auto vec_of = [=](int64_t i) { return ServerVec<E>{src_of(i)}; };
+#else
+    const auto vec_of = src_of;
+#endif
+    compress<E>(Segments{bounds, k, nrows}, src_of, vec_of, src_of, vec_of, e_out, n, 1, out, scales_out, t);
+}
 
 }  // namespace
 
@@ -577,7 +700,7 @@ using ServerVec = ServerSource;
 
 extern "C" {
 
-ONEBIT_EXPORT int onebit_cpu_abi(void) { return 6; }
+ONEBIT_EXPORT int onebit_cpu_abi(void) { return 7; }
 
 // 1 when the AVX2 paths are in use, 0 for the portable paths.
 ONEBIT_EXPORT int onebit_cpu_vector_path(void) { return use_avx2() ? 1 : 0; }
@@ -611,43 +734,41 @@ ONEBIT_EXPORT double onebit_cpu_sumsq(const float* b, int64_t n, int threads) {
 // of it packed into wire row j at byte bounds[i] / (8 nrows); e_out <- b - scale_i * sign(b)
 // (e_out may be e, or a buffer of its own: e is then left as it was); scales into
 // scales_out[0..k). Wire byte w (row w / (total / (8 nrows))) lives at
-// packed + (w / row_len) * row_stride + w % row_len.
-ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const float* m, float limit, const float* e, float* e_out,
+// packed + (w / row_len) * row_stride + w % row_len. e and e_out: float32, or bfloat16 where
+// error_bf16 is 1.
+ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const float* m, float limit, const void* e, void* e_out,
                                      int64_t total, const int64_t* bounds, int64_t k, int64_t nrows, uint8_t* packed,
-                                     int64_t row_len, int64_t row_stride, float* scales_out, int threads) {
+                                     int64_t row_len, int64_t row_stride, float* scales_out, int threads,
+                                     int error_bf16) {
     const Segments seg{bounds, k, 1};
     const ByteRows rows{packed, row_len, row_stride};
     const int t = clamp_threads(threads, total);
-    if (m) {  // b stored into e_out by the sums' pass, packed from there
-        const auto stored = [e_out](int64_t) { return PlainSource{e_out}; };
-        const auto stored_vec = [e_out](int64_t) { return PlainVec{e_out}; };
-        compress(seg, [=](int64_t) { return ScaledWorkerSource{x, m, e, e_out, limit}; },
-                 [=](int64_t) { return ScaledWorkerVec{x, m, e, e_out, limit}; }, stored, stored_vec, e_out, total,
-                 nrows, rows, scales_out, t);
-        return;
-    }
-    const auto src_of = [x, e](int64_t) { return WorkerSource{x, e}; };
-    const auto vec_of = [x, e](int64_t) { return WorkerVec{x, e}; };
-    compress(seg, src_of, vec_of, src_of, vec_of, e_out, total, nrows, rows, scales_out, t);
+    if (error_bf16)
+        worker<Bf16Err>(x, m, limit, static_cast<const uint16_t*>(e), static_cast<uint16_t*>(e_out), total, seg, nrows,
+                        rows, scales_out, t);
+    else
+        worker<F32Err>(x, m, limit, static_cast<const float*>(e), static_cast<float*>(e_out), total, seg, nrows, rows,
+                       scales_out, t);
 }
 
 // Server over a chunk of n elements whose segments are bounds / nrows (`bounds`: the worker's
 // table, k + 1 entries): per segment i, c = (sum_r scales[r * k + i] * q_r) / nrows + e;
 // scale_i = blocked RMS of its c; packed <- signs of c (byte w at packed + (w / row_len) *
 // row_stride + w % row_len); e_out <- c - scale_i * sign(c) (e_out may be e); scales into
-// scales_out[0..k). `signs` holds nrows rows of n / 8 bytes, `sign_stride` bytes apart.
+// scales_out[0..k). `signs` holds nrows rows of n / 8 bytes, `sign_stride` bytes apart. e and
+// e_out: float32, or bfloat16 where error_bf16 is 1.
 ONEBIT_EXPORT void onebit_cpu_server(const uint8_t* signs, int64_t nrows, int64_t sign_stride, const float* scales,
-                                     const float* e, float* e_out, int64_t n, const int64_t* bounds, int64_t k,
+                                     const void* e, void* e_out, int64_t n, const int64_t* bounds, int64_t k,
                                      uint8_t* packed, int64_t row_len, int64_t row_stride, float* scales_out,
-                                     int threads) {
-    const auto src_of = [=](int64_t i) { return ServerSource{signs, sign_stride, scales + i, k, nrows, e}; };
-#if ONEBIT_X86
-    const auto vec_of = [=](int64_t i) { return ServerVec{src_of(i)}; };
-#else
-    const auto vec_of = src_of;
-#endif
-    compress(Segments{bounds, k, nrows}, src_of, vec_of, src_of, vec_of, e_out, n, 1,
-             ByteRows{packed, row_len, row_stride}, scales_out, clamp_threads(threads, n));
+                                     int threads, int error_bf16) {
+    const ByteRows out{packed, row_len, row_stride};
+    const int t = clamp_threads(threads, n);
+    if (error_bf16)
+        server<Bf16Err>(signs, nrows, sign_stride, scales, static_cast<const uint16_t*>(e), static_cast<uint16_t*>(e_out),
+                        n, bounds, k, out, scales_out, t);
+    else
+        server<F32Err>(signs, nrows, sign_stride, scales, static_cast<const float*>(e), static_cast<float*>(e_out), n,
+                       bounds, k, out, scales_out, t);
 }
 
 // Decode: for segment i of `bounds` (k + 1 entries over out's nrows * row_bytes * 8 elements),

@@ -27,7 +27,11 @@ class KernelSet:
     ``worker_compress_`` and ``decode_`` take ``multiplier=`` (the input multiplied by it as it
     is read, the output as it is written); else the caller multiplies in passes of its own.
     ``limits`` (with ``multipliers``): its ``worker_compress_`` also takes ``limit=`` (the product
-    clamped as it is read); else the caller multiplies and clamps in a pass of its own."""
+    clamped as it is read); else the caller multiplies and clamps in a pass of its own.
+    ``error_dtypes``: the types of compression error its compress functions read and write
+    (always float32); the caller runs an error of another type (``error_dtype=torch.bfloat16``)
+    through a float32 copy, which gives the same bits (see
+    :func:`onebit.kernels.reference.worker_compress_`)."""
 
     name: str
     worker_compress_: Callable[..., torch.Tensor]
@@ -36,6 +40,7 @@ class KernelSet:
     separate_errors: bool = False
     multipliers: bool = False
     limits: bool = False
+    error_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
 
 
 REFERENCE = KernelSet(
@@ -46,6 +51,7 @@ REFERENCE = KernelSet(
     separate_errors=True,
     multipliers=True,
     limits=True,
+    error_dtypes=(torch.float32, torch.bfloat16),
 )
 
 # name -> loader returning a KernelSet or raising ImportError/RuntimeError with the cause.
