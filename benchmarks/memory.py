@@ -3,6 +3,7 @@ and the accounting behind it: every buffer each optimizer holds, and every trans
 
     python benchmarks/memory.py                        # 2 gloo ranks, one 16M-element parameter
     python benchmarks/memory.py --numel 4e6 --tag quick
+    python benchmarks/memory.py --bf16-errors          # and each 1-bit optimizer with error_dtype bfloat16
 
 Three parts, each in ranks of their own (``--world-size``, default 2, gloo on loopback, one thread):
 
@@ -46,6 +47,8 @@ sys.path.insert(0, str(HERE))
 from local_ranks import run_local_ranks  # noqa: E402
 
 NAMES = ("Adam", "OnebitAdam", "OnebitLamb", "ZeroOneAdam", "OnebitDiLoCo")
+#: the suffix of a 1-bit optimizer's name (``--bf16-errors``) that builds it with ``error_dtype=torch.bfloat16``
+BF16_ERRORS = " bf16 errors"
 #: steps of each run: 4 of warmup (phase 1) for every schedule below, then 12 past it
 STEPS = 16
 SMALL = 1001  # the accounting's second parameter (odd: the compressed layout pads it)
@@ -56,6 +59,8 @@ def build(name: str, params: list[torch.nn.Parameter], **options: Any) -> torch.
     compressed-gradient steps up to 8, then local steps and syncs; DiLoCo: an outer step every 4)."""
     import onebit
 
+    if name.endswith(BF16_ERRORS):
+        return build(name[:-len(BF16_ERRORS)], params, error_dtype=torch.bfloat16, **options)
     if name == "Adam":
         return torch.optim.Adam(params, lr=1e-3)
     backend = {"comm_backend_name": "gloo" if dist.is_initialized() else "local", **options}
@@ -68,7 +73,7 @@ def build(name: str, params: list[torch.nn.Parameter], **options: Any) -> torch.
                                   local_step_clipper=4, **backend)
     if name == "OnebitDiLoCo":
         return onebit.OnebitDiLoCo(params, lr=1e-3, sync_every=4, **backend)
-    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(NAMES)}")
+    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(NAMES)} (1-bit ones with '{BF16_ERRORS}')")
 
 
 def plan_name(opt: torch.optim.Optimizer) -> str:
@@ -247,7 +252,7 @@ def _accounting_rank(rank: int, world: int, args: argparse.Namespace, store: str
     numel = int(args.accounting_numel) + SMALL
     generator = torch.Generator().manual_seed(rank)
     result = {}
-    for name in NAMES:
+    for name in names(args):
         params = [torch.nn.Parameter(torch.zeros(int(args.accounting_numel))), torch.nn.Parameter(torch.zeros(SMALL))]
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -338,6 +343,11 @@ def _commit() -> str:
         return "?"
 
 
+def names(args: argparse.Namespace) -> list[str]:
+    """The optimizers measured: :data:`NAMES`, and with ``--bf16-errors`` each 1-bit one with bfloat16 errors."""
+    return [*NAMES, *(name + BF16_ERRORS for name in NAMES if name != "Adam" and args.bf16_errors)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=float, default=16e6, help="elements of the RSS runs' parameter")
@@ -345,6 +355,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--tag", default="", help="results/memory_<tag>.{json,md}")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--bf16-errors", action="store_true",
+                        help="measure each 1-bit optimizer with error_dtype=torch.bfloat16 too")
     args = parser.parse_args()
     # Every allocation of 1 MiB or more is its own mapping, returned to the system when freed (glibc
     # otherwise raises its threshold after a free, and keeps freed blocks of up to 32 MiB resident):
@@ -352,7 +364,7 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     accounting = run_local_ranks(_accounting_rank, args.world_size, args)
     rss = {}
-    for name in NAMES:
+    for name in names(args):
         rss[name] = summarize_rss(run_local_ranks(_rss_rank, args.world_size, argparse.Namespace(**vars(args), name=name)))
     numel = accounting["numel"]
     result = {

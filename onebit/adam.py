@@ -61,6 +61,11 @@ class OnebitAdam(FrozenVarianceOptimizer):
             the default because it costs nothing measurable there). The clamp runs in the codec's
             pass that multiplies by ``1 / d`` (the CPU kernels'; a pass of its own with kernels
             that do not multiply as they read, e.g. CUDA's). Not saved in state dicts.
+        preconditioner_dtype: ``torch.float32`` (default): the frozen ``d`` and ``1 / d`` held in
+            float32 (8 bytes per parameter). ``torch.bfloat16`` (``"bfloat16"`` in config files):
+            ``1 / d`` alone, rounded once to bfloat16 (2 bytes): the codec multiplies by it, the
+            decoded average is divided by it, and the update is ``m * (1 / d)``. The variance itself
+            stays float32 (state dicts unchanged). See ``docs/guides/tuning.md``.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -136,6 +141,10 @@ class OnebitAdam(FrozenVarianceOptimizer):
         """After the 1-bit average of the momentum, the update with the frozen variance."""
         beta1, beta2 = group["betas"]
         bc1, bc2 = F.bias_corrections(t, self.freeze_step, beta1, beta2, group["bias_correction"])
+        if self.preconditioner_dtype != torch.float32:  # (1 / d alone: m times it)
+            inverses = self._frozen_denominator.inverse(bucket, group["eps"], bc2).views
+            descend_(bucket, bucket.views["exp_avg"], inverses, group["lr"], group["weight_decay"], bc1, times=True)
+            return
         denominators = self._frozen_denominator.get(bucket, group["eps"], bc2).views
         descend_(bucket, bucket.views["exp_avg"], denominators, group["lr"], group["weight_decay"], bc1)
 
@@ -160,17 +169,20 @@ def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: flo
 
 
 def descend_(bucket: Bucket, momenta: list[torch.Tensor], denominators: list[torch.Tensor], lr: float,
-             weight_decay: float, bc1: float = 1.0) -> None:
+             weight_decay: float, bc1: float = 1.0, times: bool = False) -> None:
     """``p <- p * (1 - lr * weight_decay) - (lr / bc1) * m / denominator`` for each of the bucket's
     parameters, one fused pass each (float32 parameters; others: :func:`decayed_step_` of
-    ``(m / denominator) / bc1``)."""
+    ``(m / denominator) / bc1``). ``times``: the denominators are inverses, ``m * inverse`` instead."""
     if not bucket.same_dtype:
-        updates = [torch.div(mom, d) for mom, d in zip(momenta, denominators)]
+        updates = [torch.mul(mom, d) if times else torch.div(mom, d) for mom, d in zip(momenta, denominators)]
         decayed_step_(bucket, updates if bc1 == 1.0 else [u.div_(bc1) for u in updates], lr, weight_decay)
         return
     if weight_decay != 0:
         torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
-    torch._foreach_addcdiv_(bucket.params, momenta, denominators, value=-lr / bc1)
+    if times:
+        torch._foreach_addcmul_(bucket.params, momenta, denominators, value=-lr / bc1)
+    else:
+        torch._foreach_addcdiv_(bucket.params, momenta, denominators, value=-lr / bc1)
 
 
 def step_by_(bucket: Bucket, updates: list[torch.Tensor], lr: float, weight_decay: float, scale: float = 1.0) -> None:

@@ -365,6 +365,8 @@ def start_worker_(buffer: torch.Tensor, state: AllreduceState, backend: CommBack
     :class:`onebit.hierarchy.TwoLevelState`, is not staged.)"""
     codec = {}
     if multiplier is not None:
+        if multiplier.dtype not in kernels.multiplier_dtypes:  # (a bfloat16 one, widened: the same products)
+            multiplier = multiplier.float()
         if _fuses(kernels, state) and (bound is None or kernels.limits):
             codec = {"multiplier": multiplier} if bound is None else {"multiplier": multiplier, "limit": bound}
         else:  # a pass of its own, into a buffer the state keeps
@@ -388,17 +390,24 @@ def start_server_(state: AllreduceState, backend: CommBackend, kernels: KernelSe
 
 
 def finish_(buffer: torch.Tensor, state: AllreduceState, kernels: KernelSet,
-            keep: torch.Tensor | None = None, multiplier: torch.Tensor | None = None) -> torch.Tensor:
+            keep: torch.Tensor | None = None, multiplier: torch.Tensor | None = None,
+            divisor: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 3: once every server chunk has arrived, decode them into ``buffer`` (``+0.0`` where
     the packed bits ``keep``, if given, are clear: see :func:`onebit.kernels.reference.decode_`),
-    multiplied by ``multiplier`` if given (in the decode's pass where the kernels can)."""
+    multiplied by ``multiplier`` or divided by ``divisor`` (``+0.0`` where it is 0) if given, in
+    the decode's pass where the kernels can."""
     _expect_stage(state, 2, "finish_", "start_server_")
+    if multiplier is not None and divisor is not None:
+        raise ValueError("finish_ takes a multiplier or a divisor, not both")
     fused = multiplier is not None and _fuses(kernels, state)
+    divides = divisor is not None and kernels.divisors and state.fuses_multipliers
     state.pending.wait()
     state.pending, state.stage = COMPLETED, 0
-    state.finish(buffer, kernels, keep, {"multiplier": multiplier} if fused else {})
+    state.finish(buffer, kernels, keep, {"multiplier": multiplier} if fused else {"divisor": divisor} if divides else {})
     if multiplier is not None and not fused:  # a pass of its own (a kept +0.0 stays +0.0: multipliers are >= 0)
         buffer.mul_(multiplier)
+    if divisor is not None and not divides:  # (divisors are >= 0: a kept +0.0 stays +0.0, or is 0 / 0)
+        buffer.div_(divisor).masked_fill_(divisor == 0, 0.0)
     return buffer
 
 

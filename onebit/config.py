@@ -80,6 +80,8 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                      " or ".join(f"\"{name}\"" for name in REDUCE_DTYPES) + " or null"),
     "error_dtype": (lambda v: v is None or v in REDUCE_DTYPES or v in REDUCE_DTYPES.values(),
                     " or ".join(f"\"{name}\"" for name in REDUCE_DTYPES) + " or null"),
+    "preconditioner_dtype": (lambda v: v is None or v in REDUCE_DTYPES or v in REDUCE_DTYPES.values(),
+                             " or ".join(f"\"{name}\"" for name in REDUCE_DTYPES) + " or null"),
     "comm_backend_name": (_optional_str, "a string such as \"gloo\", \"nccl\", \"hccl\" or \"mpi\", or null"),
     "bucket_size": (_integer, "an integer (elements per bucket)"),
     "kernels": (_optional_str, "a string such as \"auto\" or \"reference\", or null"),

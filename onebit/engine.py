@@ -321,10 +321,16 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
 
     # ----------------------------------------------------------------- codec hooks (optional)
 
-    def _codec_multipliers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _codec_multipliers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(into, out_of)``: the compressed all-reduce of ``bucket`` averages its buffer times
         ``into`` and decodes the average times ``out_of`` (in the codec's passes where the kernels
-        can: see :attr:`onebit.kernels.KernelSet.multipliers`); None: the buffer as it is."""
+        can: see :attr:`onebit.kernels.KernelSet.multipliers`; ``out_of`` None: as it is, or divided
+        by :meth:`_codec_divisor`); None: the buffer as it is."""
+        return None
+
+    def _codec_divisor(self, bucket: Bucket) -> torch.Tensor | None:
+        """What the decoded average is divided by (``+0.0`` where it is 0), in the decode's pass
+        where the kernels can (:attr:`onebit.kernels.KernelSet.divisors`); None: nothing."""
         return None
 
     def _codec_bound(self, bucket: Bucket, t: int) -> float | None:

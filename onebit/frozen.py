@@ -17,7 +17,7 @@ from .autofreeze import AutoFreeze
 from .buckets import Bucket
 from .engine import OnebitOptimizer, StepPlan
 from .spec import Schedule, Setting, StateSpec
-from .validation import check_compression_space, check_int, check_update_bound, is_int
+from .validation import check_compression_space, check_int, check_update_bound, is_int, preconditioner_dtype_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,13 @@ def _note_unused_bound(opt: FrozenVarianceOptimizer) -> None:
 class _Frozen:
     key: tuple[float, float]  # (eps, bc2)
     version: int  # the bucket's version it was derived at
-    flat: torch.Tensor  # d = sqrt(v / bc2) + eps over the padded buffer
-    views: list[torch.Tensor]  # its per-parameter views
+    flat: torch.Tensor | None  # d = sqrt(v / bc2) + eps over the padded buffer (float32; None in bfloat16)
+    views: list[torch.Tensor]  # its per-parameter views (of the inverse in bfloat16)
     inverse: torch.Tensor | None = None  # 1 / d, 0 where the momentum is kept 0
+
+
+#: Elements of ``d`` derived at a time for a bfloat16 preconditioner (its float32 temporaries)
+_CHUNK = 1 << 20
 
 
 class FrozenDenominator:
@@ -71,26 +75,59 @@ class FrozenDenominator:
     per-parameter views) and the preconditioner ``1 / d``, 0 where the momentum is kept 0 (zero
     variance, masks, padding; :meth:`preconditioner`). Derived when first asked for, and again for
     another ``(eps, bc2)`` or once the bucket's state changed from outside a step
-    (:meth:`onebit.buckets.Bucket.invalidate`); :meth:`forget` drops everything."""
+    (:meth:`onebit.buckets.Bucket.invalidate`); :meth:`forget` drops everything.
 
-    def __init__(self) -> None:
+    ``dtype=torch.bfloat16`` (``preconditioner_dtype``): only ``1 / d`` is held, computed in float32
+    (a million elements at a time) and rounded once to bfloat16 (:meth:`inverse`); what needs ``d``
+    divides by it, or multiplies by ``1 / d``, instead."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
         self._entries: weakref.WeakKeyDictionary[Bucket, _Frozen] = weakref.WeakKeyDictionary()
 
-    def get(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> _Frozen:
+    def _current(self, bucket: Bucket, eps: float, bc2: float) -> _Frozen | None:
         entry = self._entries.get(bucket)
-        if entry is None or entry.key != (eps, bc2) or entry.version != bucket.version:
+        return entry if entry is not None and entry.key == (eps, bc2) and entry.version == bucket.version else None
+
+    def get(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> _Frozen:
+        """``d`` (float32 only)."""
+        if self.dtype != torch.float32:
+            raise RuntimeError("a bfloat16 preconditioner holds 1 / d only: use inverse()")
+        entry = self._current(bucket, eps, bc2)
+        if entry is None:
             v = bucket.buffers["exp_avg_sq"]
             flat = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
             entry = self._entries[bucket] = _Frozen((eps, bc2), bucket.version, flat, bucket.view(flat))
         return entry
 
-    def preconditioner(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(1 / d, d)``, flat."""
+    def preconditioner(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(1 / d, d)``, flat (``d`` None in bfloat16)."""
+        if self.dtype != torch.float32:
+            return self.inverse(bucket, eps, bc2).inverse, None
         entry = self.get(bucket, eps, bc2)
         if entry.inverse is None:
             still = F.kept_still(bucket.buffers["exp_avg_sq"], bucket.mask)
             entry.inverse = torch.reciprocal(entry.flat).masked_fill_(still, 0.0)
         return entry.inverse, entry.flat
+
+    def inverse(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> _Frozen:
+        """``1 / d`` in this cache's type (flat, and per-parameter views), 0 where the momentum is
+        kept 0; in bfloat16 each value is the float32 one rounded once."""
+        if self.dtype == torch.float32:
+            inverse, _ = self.preconditioner(bucket, eps, bc2)
+            entry = self._entries[bucket]
+            return _Frozen(entry.key, entry.version, entry.flat, bucket.view(inverse), inverse)
+        entry = self._current(bucket, eps, bc2)
+        if entry is None:
+            v, mask = bucket.buffers["exp_avg_sq"], bucket.mask
+            inverse = torch.empty_like(v, dtype=self.dtype)
+            for start in range(0, v.numel(), _CHUNK):
+                part = slice(start, start + _CHUNK)
+                d = F.adam_denominator_(torch.empty_like(v[part]), v[part], eps, bc2)
+                still = F.kept_still(v[part], None if mask is None else mask[part])
+                inverse[part].copy_(torch.reciprocal(d).masked_fill_(still, 0.0))
+            entry = self._entries[bucket] = _Frozen((eps, bc2), bucket.version, None, bucket.view(inverse), inverse)
+        return entry
 
     def forget(self) -> None:
         self._entries.clear()
@@ -122,7 +159,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int | str, compression_space: str = "preconditioned",
                  freeze_bounds: tuple[int, int | None] | None = None, update_bound: float | str | None = "auto",
-                 **options: Any) -> None:
+                 preconditioner_dtype: Any = None, **options: Any) -> None:
         self._auto: AutoFreeze | None = None
         if freeze_step == "auto":
             low, high = (autofreeze.MIN_STEPS, None) if freeze_bounds is None else _pair(freeze_bounds)
@@ -154,7 +191,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         # "auto" or the bound given; resolved against the space in force (a checkpoint may restore another)
         self._bound_setting: float | str | None = update_bound
         self._unbounded: set[int] = set()  # the groups whose betas left update_bound nothing to clamp (said once)
-        self._frozen_denominator = FrozenDenominator()
+        self.preconditioner_dtype = preconditioner_dtype_of(preconditioner_dtype)
+        self._frozen_denominator = FrozenDenominator(self.preconditioner_dtype)
         super().__init__(params, defaults, **options)
         if update_bound is not None and self._bound_given:
             for group in self.param_groups:
@@ -224,13 +262,21 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _decode_target(self, bucket: Bucket) -> torch.Tensor:
         return bucket.buffers["exp_avg"]  # the average is the new momentum itself
 
-    def _codec_multipliers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _codec_multipliers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """With ``compression_space="preconditioned"``: ``u = m / d`` is averaged (``1 / d`` is 0
-        where the momentum is kept 0) and the momentum is ``u d`` of the average, in the codec's
-        own passes where the kernels can."""
+        where the momentum is kept 0) and the momentum is ``u d`` of the average (with a bfloat16
+        preconditioner ``u / (1 / d)``: :meth:`_codec_divisor`), in the codec's own passes where the
+        kernels can."""
         if self.compression_space == "momentum":
             return None
         return self._preconditioner(bucket, self.param_groups[bucket.group_index])
+
+    def _codec_divisor(self, bucket: Bucket) -> torch.Tensor | None:
+        """With a bfloat16 preconditioner in the preconditioned space: ``1 / d``, which the decoded
+        average is divided by (0 where it is 0)."""
+        if self.compression_space == "momentum" or self.preconditioner_dtype == torch.float32:
+            return None
+        return self._preconditioner(bucket, self.param_groups[bucket.group_index])[0]
 
     def _codec_bound(self, bucket: Bucket, t: int) -> float | None:
         """With ``update_bound``: ``u = m / d`` is clamped to ``+-update_bound B bc1`` (``B``:
@@ -251,12 +297,14 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         bound *= F.bias_corrections(t, t, beta1, beta2, group.get("bias_correction", False))[0]
         return bound if bound < _FLOAT32_MAX else None  # one float32 cannot hold clamps nothing
 
-    def _preconditioner(self, bucket: Bucket, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _preconditioner(self, bucket: Bucket, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(1 / d, d)`` over the padded buffer for the frozen ``d = sqrt(v / bc2) + eps`` (see
-        :class:`FrozenDenominator`)."""
-        bc2 = F.bias_corrections(self.freeze_step, self.freeze_step, *group["betas"],
-                                 group.get("bias_correction", False))[1]
-        return self._frozen_denominator.preconditioner(bucket, group["eps"], bc2)
+        :class:`FrozenDenominator`; ``d`` None with a bfloat16 preconditioner)."""
+        return self._frozen_denominator.preconditioner(bucket, group["eps"], self._frozen_bc2(group))
+
+    def _frozen_bc2(self, group: dict[str, Any]) -> float:
+        return F.bias_corrections(self.freeze_step, self.freeze_step, *group["betas"],
+                                  group.get("bias_correction", False))[1]
 
     def _forget(self) -> None:
         self._frozen_denominator.forget()

@@ -116,6 +116,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
         compression_space: ``"preconditioned"`` (default) or ``"momentum"`` (DeepSpeed's
             numerics): as for :class:`onebit.OnebitAdam`.
         update_bound: ``"auto"`` (default), ``None`` or ``c > 0``: as for :class:`onebit.OnebitAdam`.
+        preconditioner_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: as for
+            :class:`onebit.OnebitAdam` (with ``"frozen"``, ``d`` is derived for each step's factor).
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -227,8 +229,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
                     # from the warmup's last m / d (or, after a load without it, the momentum's)
                     self._allocate(bucket, "smoothed_update")
                     eps = self.param_groups[bucket.group_index]["eps"]
-                    denominator = self._frozen_denominator.get(bucket, eps).flat
-                    torch.div(bucket.buffers["exp_avg"], denominator, out=bucket.buffers["smoothed_update"])
+                    self._direction(bucket, eps, bucket.buffers["smoothed_update"])
 
     def _compress_input(self, bucket: Bucket, grads: list[torch.Tensor | None], group: dict[str, Any], t: int,
                         staged: bool = False) -> torch.Tensor:
@@ -248,15 +249,14 @@ class OnebitLamb(FrozenVarianceOptimizer):
         if self.trust_ratio == "frozen":
             self._update_frozen(bucket, group, t)
             return
-        denominator = self._frozen_denominator.get(bucket, group["eps"]).flat
         weight_decay = group["weight_decay"]
-        flat = torch.div(bucket.buffers["exp_avg"], denominator, out=bucket.scratch("update"))
+        flat = self._direction(bucket, group["eps"], bucket.scratch("update"))
         smoothed = bucket.buffers["smoothed_update"].mul_(SMOOTHING).add_(flat, alpha=1 - SMOOTHING)
         params = as_float(bucket.params)
         if weight_decay != 0:  # ||smoothed + wd p|| in the update's buffer, then the update itself in it
             torch._foreach_add_(bucket.view(flat.copy_(smoothed)), params, alpha=weight_decay)
             denominators = self._norms(bucket, bucket.view(flat))
-            torch.div(bucket.buffers["exp_avg"], denominator, out=flat)
+            self._direction(bucket, group["eps"], flat)
             torch._foreach_add_(bucket.view(flat), params, alpha=weight_decay)
         else:
             denominators = self._norms(bucket, bucket.view(smoothed))
@@ -264,6 +264,19 @@ class OnebitLamb(FrozenVarianceOptimizer):
         coeff = F.lamb_trust_ratio(self._norms(bucket, bucket.params), denominators, group["min_coeff"],
                                    group["max_coeff"])
         self._apply(bucket, updates, coeff, group["lr"])
+
+    def _direction(self, bucket: Bucket, eps: float, out: torch.Tensor) -> torch.Tensor:
+        """``m / d`` into ``out`` (with a bfloat16 preconditioner: ``m * (1 / d)``)."""
+        if self.preconditioner_dtype != torch.float32:
+            return torch.mul(bucket.buffers["exp_avg"], self._frozen_denominator.inverse(bucket, eps).inverse, out=out)
+        return torch.div(bucket.buffers["exp_avg"], self._frozen_denominator.get(bucket, eps).flat, out=out)
+
+    def _denominator(self, bucket: Bucket, eps: float) -> torch.Tensor:
+        """``d``, flat: the cached one, or with a bfloat16 preconditioner (which holds ``1 / d``
+        alone) one derived for this step."""
+        if self.preconditioner_dtype != torch.float32:
+            return F.adam_denominator_(torch.empty_like(bucket.buffers["exp_avg_sq"]), bucket.buffers["exp_avg_sq"], eps)
+        return self._frozen_denominator.get(bucket, eps).flat
 
     def _update_frozen(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """DeepSpeed's rule: the fresh variance from the reconstructed gradient, the factor, and
@@ -274,7 +287,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         fresh = bucket.buffers["exp_avg_sq_fresh"]
         work = F.reconstructed_grad_(bucket.scratch("prev"), m, beta1)
         fresh.mul_(beta2).addcmul_(work, work, value=1 - beta2)
-        denominator = self._frozen_denominator.get(bucket, eps).flat
+        denominator = self._denominator(bucket, eps)
         ratio = F.adam_denominator_(work, fresh, eps)
         torch.div(denominator, ratio, out=ratio).mul_(bucket.scratch("live"))
         max_ratio = _maxima(bucket, bucket.view(ratio))

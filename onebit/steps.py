@@ -431,7 +431,7 @@ class Steps:
         for bucket in compressed:
             multipliers = self._codec_multipliers(bucket)
             finish_(bucket.compressed, bucket.compression, self._kernels_for(bucket), bucket.derived.frozen_keep,
-                    None if multipliers is None else multipliers[1])
+                    None if multipliers is None else multipliers[1], self._codec_divisor(bucket))
             if bucket.derived.frozen_keep is None and bucket.derived.frozen_zeros is not None:
                 bucket.compressed.index_fill_(0, bucket.derived.frozen_zeros, 0.0)
             if measure:

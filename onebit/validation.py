@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["is_int", "is_real", "check_number", "check_int", "check_flag", "check_choice", "check_params", "check_common_group",
            "check_engine_options", "refuse", "refuse_unknown", "TORCH_FLAGS", "DEEPSPEED_COMMON_REFUSED",
            "COMPRESSION_SPACES", "check_compression_space", "REDUCE_DTYPES", "reduce_dtype_of", "error_dtype_of",
+           "preconditioner_dtype_of",
            "check_update_bound", "with_tuple_betas", "TORCH_NEUTRAL", "torch_flag_problem", "torch_flags_given",
            "as_group", "check_lr", "claim_params", "check_step_order"]
 
@@ -236,6 +237,18 @@ def error_dtype_of(value: Any, hierarchy: Any = None) -> torch.dtype:
     if hierarchy is not None:
         raise ValueError(f"error_dtype={value!r} does not work with hierarchy={hierarchy!r} yet (its error feedbacks "
                          "are float32); pass one of them")
+    return dtype
+
+
+def preconditioner_dtype_of(value: Any) -> torch.dtype:
+    """``preconditioner_dtype``: ``None`` or ``torch.float32`` (the default) or ``torch.bfloat16``;
+    a config file's ``"float32"`` / ``"bfloat16"`` name them."""
+    dtype = REDUCE_DTYPES.get(value, value) if isinstance(value, str) else value
+    if value is None or dtype is torch.float32:
+        return torch.float32
+    if dtype is not torch.bfloat16:
+        raise ValueError(f"invalid preconditioner_dtype: {value!r}; it must be torch.float32 (the default: d and 1 / d "
+                         "held in float32) or torch.bfloat16 (1 / d alone, in bfloat16: a quarter of the memory)")
     return dtype
 
 

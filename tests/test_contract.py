@@ -42,6 +42,7 @@ class Case:
         inner = f"-inner{self.extra['inner'].__name__}" if self.extra.get("inner") else ""
         delay = "-delay" if self.schedule.get("sync_delay") else ""
         errors = "-bf16errors" if self.extra.get("error_dtype") else ""
+        errors += "-bf16preconditioner" if self.extra.get("preconditioner_dtype") else ""
         return self.cls.__name__ + (f"-{space}" if space else "") + auto + overlap + bound + inner + delay + errors
 
     def make(self, params, lr: float = 1e-2, **kwargs):
@@ -66,6 +67,10 @@ def _cases(cls: type, schedule: dict[str, Any]) -> list[Case]:
         cases.append(Case(cls, dict(freeze_step="auto", freeze_bounds=(1, schedule["freeze_step"])), base))
         # update_bound: m / d clamped before the 1-bit all-reduce (in the codec's worker pass)
         cases.append(Case(cls, schedule, {**base, "update_bound": 0.5}))
+        # the frozen preconditioner 1 / d alone, in bfloat16 (and the errors in bfloat16), in each space
+        compact = {"preconditioner_dtype": torch.bfloat16, "error_dtype": torch.bfloat16}
+        cases.append(Case(cls, schedule, {**base, **compact}))
+        cases.append(Case(cls, schedule, {**base, **compact, "compression_space": "momentum"}))
     # overlap_backward: the communication starts from gradient hooks during backward
     cases.append(Case(cls, schedule, {**base, "overlap_backward": True}))
     # error_dtype: the compression errors held in bfloat16 (staged ones too, with the overlap)

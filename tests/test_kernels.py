@@ -1070,7 +1070,7 @@ def test_a_bad_limit_is_refused(implementations, name, limit, match):
 def test_multiplier_and_error_out_of_the_wrong_kind_are_refused(implementations, name):
     impl = implementations.get(name)
     n = 64
-    match = "multiplier must be a float32 (CPU|CUDA) tensor of 64 elements"
+    match = "multiplier must be a float32 (or bfloat16 )?(CPU|CUDA) tensor of 64 elements"
     with pytest.raises(ValueError, match=match):
         impl.worker_compress_(torch.zeros(n), torch.zeros(n), torch.zeros(1, n // 8, dtype=torch.uint8),
                               multiplier=torch.ones(n - 8))

@@ -35,12 +35,15 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
 
 
-def oracle(n: int, steps: int, update_bound: float | None = None, clamped: list | None = None) -> list[list[torch.Tensor]]:
+def oracle(n: int, steps: int, update_bound: float | None = None, clamped: list | None = None,
+           preconditioner_dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
     """1-bit Adam in the preconditioned space for ``n`` simulated ranks, tensor by tensor: warmup
     is Adam on the mean gradient; then ``m_r = lerp(m, g_r)``, ``u_r = m_r * (1 / d)`` (0 where
     ``v == 0``; with ``update_bound`` c, clamped to ``+-c (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2))``),
     ``u = compressed mean of u_r`` (0 where ``v == 0``), ``m = u d``, ``p = p (1 - lr wd) - lr m / d``.
-    ``clamped`` (a list) receives the number of coordinates the bound changed at each compressed step."""
+    ``clamped`` (a list) receives the number of coordinates the bound changed at each compressed step.
+    ``preconditioner_dtype=torch.bfloat16``: ``1 / d`` rounded once to bfloat16, ``m = u / (1 / d)``
+    (0 where it is 0), ``p = p (1 - lr wd) - lr m (1 / d)``."""
     b1, b2 = BETAS
     params = [p.detach().clone() for p in _params()]
     m = [torch.zeros_like(p) for p in params]
@@ -59,7 +62,7 @@ def oracle(n: int, steps: int, update_bound: float | None = None, clamped: list 
                 continue
             d = v[i].sqrt() + EPS
             keep = v[i] != 0
-            inverse = torch.where(keep, torch.reciprocal(d), 0.0)
+            inverse = torch.where(keep, torch.reciprocal(d), 0.0).to(preconditioner_dtype)
             local = [(torch.lerp(m[i], grads[r][i], 1 - b1) * inverse).reshape(-1) for r in range(n)]
             if update_bound is not None:
                 bound = update_bound * (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
@@ -69,18 +72,23 @@ def oracle(n: int, steps: int, update_bound: float | None = None, clamped: list 
             sim = simulate_compressed_allreduce(local, *errors[i])
             errors[i] = (sim.worker_errors, sim.server_errors)
             u = torch.where(keep, sim.output.view_as(d), 0.0)
-            m[i] = u * d
-            params[i] = torch.addcdiv(params[i] * (1.0 - LR * WD), m[i], d, value=-LR)
+            if preconditioner_dtype == torch.float32:
+                m[i] = u * d
+                params[i] = torch.addcdiv(params[i] * (1.0 - LR * WD), m[i], d, value=-LR)
+            else:
+                m[i] = torch.where(inverse != 0, u / inverse, 0.0)
+                params[i] = torch.addcmul(params[i] * (1.0 - LR * WD), m[i], inverse, value=-LR)
         out.append([p.clone() for p in params])
     return out
 
 
 def _train(rank: int, world_size: int, steps: int, backend: str | None = None,
-           kernels: str = "auto", update_bound: float | None = None) -> list[list[torch.Tensor]]:
+           kernels: str = "auto", update_bound: float | None = None,
+           preconditioner_dtype: torch.dtype | None = None) -> list[list[torch.Tensor]]:
     params = _params()
     opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS, weight_decay=WD,
                      comm_backend_name=backend, compression_space="preconditioned", kernels=kernels,
-                     update_bound=update_bound)
+                     update_bound=update_bound, preconditioner_dtype=preconditioner_dtype)
     out = []
     for t in range(1, steps + 1):
         for p, g in zip(params, _grads(rank, t)):
@@ -107,8 +115,20 @@ registry.register("reference-nolimits", lambda: dataclasses.replace(REFERENCE, n
                                                                     worker_compress_=_no_limit, limits=False))
 
 
+def _no_divisor(signs, scales, out, keep=None, **kwargs):
+    if "divisor" in kwargs:
+        raise TypeError("decode_() got an unexpected keyword argument 'divisor'")
+    return REFERENCE.decode_(signs, scales, out, keep, **kwargs)
+
+
+# A kernel set of float32 multipliers and no divisor= (as the CUDA kernels): the engine widens a
+# bfloat16 multiplier and divides in a pass of its own.
+registry.register("reference-nodivisors", lambda: dataclasses.replace(
+    REFERENCE, name="reference-nodivisors", decode_=_no_divisor, divisors=False, multiplier_dtypes=(torch.float32,)))
+
+
 @pytest.mark.parametrize("update_bound", [None, 0.02])
-@pytest.mark.parametrize("kernels", ["cpu", "reference", "reference-unfused", "reference-nolimits"])
+@pytest.mark.parametrize("kernels", ["cpu", "reference", "reference-unfused", "reference-nolimits", "reference-nodivisors"])
 def test_one_rank_matches_the_oracle(kernels, update_bound):
     """With the multiplies in the codec's passes (``cpu``, ``reference``) or in passes of their
     own (a kernel set without ``multipliers``), with and without
@@ -121,13 +141,21 @@ def test_one_rank_matches_the_oracle(kernels, update_bound):
     if update_bound is not None:  # the bound changed what was compressed: the comparison can tell
         assert sum(clamped) > 0, clamped
         assert not all_equal(want[-1], oracle(1, 8)[-1])
+    # preconditioner_dtype=torch.bfloat16: 1 / d alone, in bfloat16 (the decode divides by it where the
+    # kernels can, in a pass of its own where they cannot; a bfloat16 multiplier widened where they cannot take it)
+    narrow = oracle(1, 8, update_bound, preconditioner_dtype=torch.bfloat16)
+    got = _train(0, 1, 8, "local", kernels, update_bound, torch.bfloat16)
+    for t, (a, b) in enumerate(zip(got, narrow), start=1):
+        assert all_equal(a, b), t
+    assert not all_equal(narrow[-1], want[-1])
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("preconditioner_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("update_bound", [None, 0.02])
-def test_three_gloo_ranks_match_the_oracle(tmp_path, update_bound):
-    results = run_ranks(_train, 3, tmp_path, 8, None, "auto", update_bound)
-    want = oracle(3, 8, update_bound)
+def test_three_gloo_ranks_match_the_oracle(tmp_path, update_bound, preconditioner_dtype):
+    results = run_ranks(_train, 3, tmp_path, 8, None, "auto", update_bound, preconditioner_dtype)
+    want = oracle(3, 8, update_bound, preconditioner_dtype=preconditioner_dtype)
     for t in range(8):
         for rank in range(3):
             assert all_equal(results[rank][t], want[t]), (rank, t + 1)

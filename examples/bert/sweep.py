@@ -57,7 +57,8 @@ The runs:
 * ``*_bf16``: the 1-bit run with ``reduce_dtype = "bfloat16"`` (its full-precision all-reduces send
   bfloat16: half the bytes of a warmup step);
 * ``*_bf16err``: the 1-bit run with ``error_dtype = "bfloat16"`` (its compression errors held in
-  bfloat16: half their memory);
+  bfloat16: half their memory); ``*_compact`` (1-bit Adam and LAMB): and ``preconditioner_dtype =
+  "bfloat16"`` (the frozen ``1 / d`` alone, in bfloat16);
 * ``*_pre`` / ``*_mom``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit
   all-reduce averages ``m / (sqrt(v) + eps)``; the default of 1-bit Adam and 1-bit LAMB) /
   ``"momentum"`` (it averages ``m``: DeepSpeed's numerics, the default before 2026-11-26).
@@ -172,6 +173,9 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
     for name, (params, adam, kind) in list(runs.items()):
         if name != adam:  # a 1-bit run
             runs[f"{name}_bf16err"] = ({**params, "error_dtype": "bfloat16"}, adam, kind)
+            if kind in ("OneBitAdam", "OneBitLamb"):
+                runs[f"{name}_compact"] = ({**params, "error_dtype": "bfloat16", "preconditioner_dtype": "bfloat16"},
+                                           adam, kind)
     return runs
 
 

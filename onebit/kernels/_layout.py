@@ -90,6 +90,11 @@ def check_limit(limit: float | None, multiplier: torch.Tensor | None) -> None:
     _require(multiplier is not None, "worker_compress_: limit clamps x * multiplier; give a multiplier with it")
 
 
+def check_divisor(multiplier: torch.Tensor | None, divisor: torch.Tensor | None) -> None:
+    """decode_ takes a ``multiplier`` or a ``divisor``, not both."""
+    _require(multiplier is None or divisor is None, "decode_ takes a multiplier or a divisor, not both")
+
+
 def check_worker(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor, device_type: str,
                  error_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
     """Validate worker arguments (``error`` of one of ``error_dtypes``); return the element count."""

@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from .registry import KernelSet, register
-from ._layout import (byte_rows, check_bounds, check_decode, check_limit, check_server, check_worker, claimed_segments,
-                      flat_float)
+from ._layout import (byte_rows, check_bounds, check_decode, check_divisor, check_limit, check_server, check_worker,
+                      claimed_segments, flat_float)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ __all__ = ["load", "build", "compiler_command", "cache_dir", "CACHE_ENV_VAR"]
 CACHE_ENV_VAR = "ONEBIT_CACHE_DIR"
 #: The compression errors these kernels read and write: float32, and bfloat16 as its 16 bits.
 ERROR_DTYPES = (torch.float32, torch.bfloat16)
+#: The types of the worker's multiplier and of decode's divisor (decode's multiplier: float32).
+MULTIPLIER_DTYPES = (torch.float32, torch.bfloat16)
 SOURCE_NAME = "cpu_kernels.cpp"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fvisibility=hidden")
 ABI = 7
@@ -150,13 +152,13 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.onebit_cpu_sumsq.argtypes = [_c_ptr, _c_i64, _c_int]
     lib.onebit_cpu_sumsq.restype = ctypes.c_double
     lib.onebit_cpu_worker.argtypes = [_c_ptr, _c_ptr, ctypes.c_float, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64,
-                                      _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
+                                      _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int, _c_int]
     lib.onebit_cpu_worker.restype = None
     lib.onebit_cpu_server.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64,
                                       _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
     lib.onebit_cpu_server.restype = None
     lib.onebit_cpu_decode.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr,
-                                      _c_ptr, _c_int]
+                                      _c_ptr, _c_int, _c_ptr, _c_int]
     lib.onebit_cpu_decode.restype = None
     return lib
 
@@ -211,7 +213,8 @@ class CpuKernels:
         self.lib.onebit_cpu_worker(xs.data_ptr(), None if ms is None else ms.data_ptr(),
                                    math.inf if limit is None else limit, es.data_ptr(), eo.data_ptr(), total,
                                    table.data_ptr(), k, nrows, out.tensor.data_ptr(), out.row_len, out.row_stride,
-                                   scales.data_ptr(), torch.get_num_threads(), int(error.dtype == torch.bfloat16))
+                                   scales.data_ptr(), torch.get_num_threads(), int(error.dtype == torch.bfloat16),
+                                   int(ms is not None and ms.dtype == torch.bfloat16))
         out.finish_()
         if eo.data_ptr() != target.data_ptr():
             target.copy_(eo.view(target.shape))
@@ -241,10 +244,12 @@ class CpuKernels:
 
     def decode_(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                 keep: torch.Tensor | None = None, *, bounds: torch.Tensor | None = None,
-                multiplier: torch.Tensor | None = None) -> torch.Tensor:
+                multiplier: torch.Tensor | None = None, divisor: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`onebit.kernels.reference.decode_`."""
         check_decode(signs, scales, out, "cpu", keep, claimed_segments(bounds))
-        ms = _multiplier(multiplier, out.numel(), "decode_")
+        check_divisor(multiplier, divisor)
+        ms = _multiplier(multiplier, out.numel(), "decode_", (torch.float32,))
+        ds = _multiplier(divisor, out.numel(), "decode_", MULTIPLIER_DTYPES, "divisor")
         nrows, cols = signs.shape
         table, k = self._table(bounds, out.numel(), 8 * nrows, "decode_")
         rows = byte_rows(signs, output=False)
@@ -252,7 +257,9 @@ class CpuKernels:
         dst = flat_float(out)
         self.lib.onebit_cpu_decode(rows.tensor.data_ptr(), nrows, rows.row_stride, cols, sc.data_ptr(),
                                    table.data_ptr(), k, None if keep is None else keep.data_ptr(),
-                                   None if ms is None else ms.data_ptr(), dst.data_ptr(), torch.get_num_threads())
+                                   None if ms is None else ms.data_ptr(), None if ds is None else ds.data_ptr(),
+                                   int(ds is not None and ds.dtype == torch.bfloat16), dst.data_ptr(),
+                                   torch.get_num_threads())
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out
@@ -260,7 +267,8 @@ class CpuKernels:
     def kernel_set(self) -> KernelSet:
         return KernelSet(name="cpu", worker_compress_=self.worker_compress_,
                          server_compress_=self.server_compress_, decode_=self.decode_, separate_errors=True,
-                         multipliers=True, limits=True, error_dtypes=ERROR_DTYPES)
+                         multipliers=True, limits=True, error_dtypes=ERROR_DTYPES,
+                         multiplier_dtypes=MULTIPLIER_DTYPES, divisors=True)
 
 
 _KERNELS: CpuKernels | None = None
@@ -289,11 +297,15 @@ def _error_target(error: torch.Tensor, error_out: torch.Tensor | None) -> torch.
     return error_out
 
 
-def _multiplier(multiplier: torch.Tensor | None, total: int, what: str) -> torch.Tensor | None:
-    """The contiguous float32 CPU tensor of ``total`` elements to pass for ``multiplier=``."""
+def _multiplier(multiplier: torch.Tensor | None, total: int, what: str,
+                dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), name: str = "multiplier"
+                ) -> torch.Tensor | None:
+    """The contiguous CPU tensor of ``total`` elements (of ``dtypes``) to pass for ``multiplier=``
+    (or ``divisor=``)."""
     if multiplier is None:
         return None
-    if multiplier.dtype != torch.float32 or multiplier.device.type != "cpu" or multiplier.numel() != total:
-        raise ValueError(f"{what}: multiplier must be a float32 CPU tensor of {total} elements, got "
+    if multiplier.dtype not in dtypes or multiplier.device.type != "cpu" or multiplier.numel() != total:
+        kinds = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{what}: {name} must be a {kinds} CPU tensor of {total} elements, got "
                          f"{multiplier.dtype} of {multiplier.numel()} elements on {multiplier.device}")
     return flat_float(multiplier)

@@ -213,28 +213,29 @@ struct WorkerSource {  // b = x + e
 // reads b alone, and overwrites it with the new error).
 inline float clamped(float p, float limit) { return p > limit ? limit : (p < -limit ? -limit : p); }
 
+template <typename M>  // the multiplier's type (F32Err or Bf16Err: float32, or bfloat16 read exactly)
 struct ScaledWorkerSource {
     const float* x;
-    const float* m;
+    const typename M::T* m;
     const float* e;
     float* b_out;
     float limit;
-    float value(int64_t i) const { return b_out[i] = clamped(x[i] * m[i], limit) + e[i]; }
+    float value(int64_t i) const { return b_out[i] = clamped(x[i] * M::get(m, i), limit) + e[i]; }
     void value8(int64_t i, float* v) const {
-        for (int j = 0; j < 8; ++j) v[j] = b_out[i + j] = clamped(x[i + j] * m[i + j], limit) + e[i + j];
+        for (int j = 0; j < 8; ++j) v[j] = b_out[i + j] = clamped(x[i + j] * M::get(m, i + j), limit) + e[i + j];
     }
 };
 
 // The same b, computed again in each pass (an error narrower than b cannot hold it in between).
-template <typename E>
+template <typename E, typename M>
 struct ScaledAgainSource {
     const float* x;
-    const float* m;
+    const typename M::T* m;
     const typename E::T* e;
     float limit;
-    float value(int64_t i) const { return clamped(x[i] * m[i], limit) + E::get(e, i); }
+    float value(int64_t i) const { return clamped(x[i] * M::get(m, i), limit) + E::get(e, i); }
     void value8(int64_t i, float* v) const {
-        for (int j = 0; j < 8; ++j) v[j] = clamped(x[i + j] * m[i + j], limit) + E::get(e, i + j);
+        for (int j = 0; j < 8; ++j) v[j] = clamped(x[i + j] * M::get(m, i + j), limit) + E::get(e, i + j);
     }
 };
 
@@ -302,14 +303,32 @@ void pack_scalar(const Src& src, typename E::T* e, float s, int64_t b0, int64_t 
     }
 }
 
+// What decode does to each value q s of element i (relative to the run's start): nothing, a
+// multiply by mult[i], or a division by div[i] (+0.0 where div[i] is 0).
+struct AsIs {
+    float apply(float v, int64_t) const { return v; }
+};
+struct Times {
+    const float* mult;
+    float apply(float v, int64_t i) const { return v * mult[i]; }
+};
+template <typename D>
+struct Over {
+    const typename D::T* div;
+    float apply(float v, int64_t i) const {
+        const float d = D::get(div, i);
+        return d != 0.0f ? v / d : 0.0f;
+    }
+};
+
 // keep (may be null): where bit (7 - j) of keep[k] is clear, out[k * 8 + j] is +0.0 instead.
-// mult (may be null): out[i] = (q s) * mult[i] (where kept).
-void decode_scalar(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const float* mult, float* out) {
+template <typename Op>
+void decode_scalar(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const Op& op, float* out) {
     for (int64_t k = 0; k < count; ++k) {
         const unsigned kept = keep ? keep[k] : 0xffu;
         for (int j = 0; j < 8; ++j) {
             const float v = signed_value(s, in[k], j);
-            out[k * 8 + j] = ((kept >> (7 - j)) & 1u) ? (mult ? v * mult[k * 8 + j] : v) : 0.0f;
+            out[k * 8 + j] = ((kept >> (7 - j)) & 1u) ? op.apply(v, k * 8 + j) : 0.0f;
         }
     }
 }
@@ -357,7 +376,8 @@ struct PlainAvx2 {
     }
 };
 
-// Eight errors as floats, and eight floats stored as errors (bfloat16: rounded to nearest even).
+// Eight errors (or multipliers, divisors) as floats, and eight floats stored as errors (bfloat16:
+// rounded to nearest even).
 ONEBIT_AVX2 inline __m256 load_errors(const float* e) { return _mm256_loadu_ps(e); }
 ONEBIT_AVX2 inline __m256 load_errors(const uint16_t* e) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e));
@@ -386,9 +406,10 @@ struct WorkerAvx2 {
     }
 };
 
+template <typename M>
 struct ScaledWorkerAvx2 {
     const float* x;
-    const float* m;
+    const typename M::T* m;
     const float* e;
     float* b_out;
     float limit;
@@ -396,7 +417,7 @@ struct ScaledWorkerAvx2 {
         // min(hi, p) and max(lo, p) return p when p is NaN (the second operand), as the scalar clamp
         const __m256 hi = _mm256_set1_ps(limit);
         const __m256 lo = _mm256_set1_ps(-limit);
-        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(m + i));
+        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + i), load_errors(m + i));
         const __m256 b = _mm256_add_ps(_mm256_max_ps(lo, _mm256_min_ps(hi, p)), _mm256_loadu_ps(e + i));
         _mm256_storeu_ps(b_out + i, b);
         return b;
@@ -406,16 +427,16 @@ struct ScaledWorkerAvx2 {
     }
 };
 
-template <typename E>
+template <typename E, typename M>
 struct ScaledAgainAvx2 {
     const float* x;
-    const float* m;
+    const typename M::T* m;
     const typename E::T* e;
     float limit;
     ONEBIT_AVX2 __m256 load8(int64_t i) const {  // as ScaledWorkerAvx2, without storing b
         const __m256 hi = _mm256_set1_ps(limit);
         const __m256 lo = _mm256_set1_ps(-limit);
-        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(m + i));
+        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + i), load_errors(m + i));
         return _mm256_add_ps(_mm256_max_ps(lo, _mm256_min_ps(hi, p)), load_errors(e + i));
     }
     ONEBIT_AVX2 void load32(int64_t i, __m256* v) const {
@@ -516,38 +537,52 @@ ONEBIT_AVX2 inline __m256 bit_lanes(unsigned byte) {
     return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, bits), bits));
 }
 
-template <bool kMasked, bool kScaled>
-ONEBIT_AVX2 inline __m256 decoded(__m256 ps, const uint8_t* in, const uint8_t* keep, const float* mult, int64_t k) {
-    __m256 v = signed_scale(ps, in[k]);
-    if (kScaled) v = _mm256_mul_ps(v, _mm256_loadu_ps(mult + 8 * k));
+// The vector forms of AsIs, Times and Over (a lane divided by 0 is +0.0).
+struct AsIsAvx2 {
+    ONEBIT_AVX2 __m256 apply(__m256 v, int64_t) const { return v; }
+};
+struct TimesAvx2 {
+    const float* mult;
+    ONEBIT_AVX2 __m256 apply(__m256 v, int64_t i) const { return _mm256_mul_ps(v, _mm256_loadu_ps(mult + i)); }
+};
+template <typename D>
+struct OverAvx2 {
+    const typename D::T* div;
+    ONEBIT_AVX2 __m256 apply(__m256 v, int64_t i) const {
+        const __m256 d = load_errors(div + i);
+        const __m256 zero = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ);
+        return _mm256_andnot_ps(zero, _mm256_div_ps(v, d));
+    }
+};
+
+template <bool kMasked, typename Op>
+ONEBIT_AVX2 inline __m256 decoded(__m256 ps, const uint8_t* in, const uint8_t* keep, const Op& op, int64_t k) {
+    const __m256 v = op.apply(signed_scale(ps, in[k]), 8 * k);
     return kMasked ? _mm256_and_ps(v, bit_lanes(keep[k])) : v;  // cleared lanes: +0.0
 }
 
-template <bool kMasked, bool kScaled>
-ONEBIT_AVX2 void decode_avx2_impl(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const float* mult,
+template <bool kMasked, typename Op>
+ONEBIT_AVX2 void decode_avx2_impl(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const Op& op,
                                   float* out, bool stream) {
     const __m256 ps = _mm256_set1_ps(s);
     int64_t k = 0;
     if (stream) {
         for (; k < count && (reinterpret_cast<uintptr_t>(out + 8 * k) & 31) != 0; ++k)
-            _mm256_storeu_ps(out + 8 * k, decoded<kMasked, kScaled>(ps, in, keep, mult, k));
-        for (; k < count; ++k) _mm256_stream_ps(out + 8 * k, decoded<kMasked, kScaled>(ps, in, keep, mult, k));
+            _mm256_storeu_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, op, k));
+        for (; k < count; ++k) _mm256_stream_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, op, k));
         _mm_sfence();
         return;
     }
-    for (; k < count; ++k) _mm256_storeu_ps(out + 8 * k, decoded<kMasked, kScaled>(ps, in, keep, mult, k));
+    for (; k < count; ++k) _mm256_storeu_ps(out + 8 * k, decoded<kMasked>(ps, in, keep, op, k));
 }
 
-ONEBIT_AVX2 void decode_avx2(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const float* mult,
+template <typename Op>
+ONEBIT_AVX2 void decode_avx2(const uint8_t* in, int64_t count, float s, const uint8_t* keep, const Op& op,
                              float* out, bool stream) {
-    if (keep && mult)
-        decode_avx2_impl<true, true>(in, count, s, keep, mult, out, stream);
-    else if (keep)
-        decode_avx2_impl<true, false>(in, count, s, keep, mult, out, stream);
-    else if (mult)
-        decode_avx2_impl<false, true>(in, count, s, keep, mult, out, stream);
+    if (keep)
+        decode_avx2_impl<true>(in, count, s, keep, op, out, stream);
     else
-        decode_avx2_impl<false, false>(in, count, s, keep, mult, out, stream);
+        decode_avx2_impl<false>(in, count, s, keep, op, out, stream);
 }
 #else
 bool cpu_has_avx2() { return false; }
@@ -642,36 +677,36 @@ void compress(const Segments& seg, const SumSrcOf& sum_src_of, const SumVecOf& s
 #if ONEBIT_X86
 using PlainVec = PlainAvx2;
 template <typename E> using WorkerVec = WorkerAvx2<E>;
-using ScaledWorkerVec = ScaledWorkerAvx2;
-template <typename E> using ScaledAgainVec = ScaledAgainAvx2<E>;
+template <typename M> using ScaledWorkerVec = ScaledWorkerAvx2<M>;
+template <typename E, typename M> using ScaledAgainVec = ScaledAgainAvx2<E, M>;
 template <typename E> using ServerVec = ServerAvx2<E>;
 #else
 using PlainVec = PlainSource;
 template <typename E> using WorkerVec = WorkerSource<E>;
-using ScaledWorkerVec = ScaledWorkerSource;
-template <typename E> using ScaledAgainVec = ScaledAgainSource<E>;
+template <typename M> using ScaledWorkerVec = ScaledWorkerSource<M>;
+template <typename E, typename M> using ScaledAgainVec = ScaledAgainSource<E, M>;
 template <typename E> using ServerVec = ServerSource<E>;
 #endif
 
-// The worker of onebit_cpu_worker for one error type.
-template <typename E>
-void worker(const float* x, const float* m, float limit, const typename E::T* e, typename E::T* e_out, int64_t total,
-            const Segments& seg, int64_t nrows, const ByteRows& rows, float* scales_out, int t) {
+// The worker of onebit_cpu_worker for one error type E and multiplier type M.
+template <typename E, typename M>
+void worker(const float* x, const typename M::T* m, float limit, const typename E::T* e, typename E::T* e_out,
+            int64_t total, const Segments& seg, int64_t nrows, const ByteRows& rows, float* scales_out, int t) {
     if constexpr (std::is_same_v<E, F32Err>) {
         if (m) {  // b stored into e_out by the sums' pass, packed from there
             float* b = e_out;
             const float* ef = e;
             const auto stored = [b](int64_t) { return PlainSource{b}; };
             const auto stored_vec = [b](int64_t) { return PlainVec{b}; };
-            compress<F32Err>(seg, [=](int64_t) { return ScaledWorkerSource{x, m, ef, b, limit}; },
-                             [=](int64_t) { return ScaledWorkerVec{x, m, ef, b, limit}; }, stored, stored_vec, b,
+            compress<F32Err>(seg, [=](int64_t) { return ScaledWorkerSource<M>{x, m, ef, b, limit}; },
+                             [=](int64_t) { return ScaledWorkerVec<M>{x, m, ef, b, limit}; }, stored, stored_vec, b,
                              total, nrows, rows, scales_out, t);
             return;
         }
     }
     if (m) {  // (a narrower error) b computed again by the pack pass
-        const auto src_of = [=](int64_t) { return ScaledAgainSource<E>{x, m, e, limit}; };
-        const auto vec_of = [=](int64_t) { return ScaledAgainVec<E>{x, m, e, limit}; };
+        const auto src_of = [=](int64_t) { return ScaledAgainSource<E, M>{x, m, e, limit}; };
+        const auto vec_of = [=](int64_t) { return ScaledAgainVec<E, M>{x, m, e, limit}; };
         compress<E>(seg, src_of, vec_of, src_of, vec_of, e_out, total, nrows, rows, scales_out, t);
         return;
     }
@@ -735,20 +770,24 @@ ONEBIT_EXPORT double onebit_cpu_sumsq(const float* b, int64_t n, int threads) {
 // (e_out may be e, or a buffer of its own: e is then left as it was); scales into
 // scales_out[0..k). Wire byte w (row w / (total / (8 nrows))) lives at
 // packed + (w / row_len) * row_stride + w % row_len. e and e_out: float32, or bfloat16 where
-// error_bf16 is 1.
-ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const float* m, float limit, const void* e, void* e_out,
+// error_bf16 is 1; m: float32, or bfloat16 where multiplier_bf16 is 1.
+ONEBIT_EXPORT void onebit_cpu_worker(const float* x, const void* m, float limit, const void* e, void* e_out,
                                      int64_t total, const int64_t* bounds, int64_t k, int64_t nrows, uint8_t* packed,
                                      int64_t row_len, int64_t row_stride, float* scales_out, int threads,
-                                     int error_bf16) {
+                                     int error_bf16, int multiplier_bf16) {
     const Segments seg{bounds, k, 1};
     const ByteRows rows{packed, row_len, row_stride};
     const int t = clamp_threads(threads, total);
+    const auto run = [&](auto error, auto multiplier) {
+        using E = decltype(error);
+        using M = decltype(multiplier);
+        worker<E, M>(x, static_cast<const typename M::T*>(m), limit, static_cast<const typename E::T*>(e),
+                     static_cast<typename E::T*>(e_out), total, seg, nrows, rows, scales_out, t);
+    };
     if (error_bf16)
-        worker<Bf16Err>(x, m, limit, static_cast<const uint16_t*>(e), static_cast<uint16_t*>(e_out), total, seg, nrows,
-                        rows, scales_out, t);
+        multiplier_bf16 ? run(Bf16Err{}, Bf16Err{}) : run(Bf16Err{}, F32Err{});
     else
-        worker<F32Err>(x, m, limit, static_cast<const float*>(e), static_cast<float*>(e_out), total, seg, nrows, rows,
-                       scales_out, t);
+        multiplier_bf16 ? run(F32Err{}, Bf16Err{}) : run(F32Err{}, F32Err{});
 }
 
 // Server over a chunk of n elements whose segments are bounds / nrows (`bounds`: the worker's
@@ -774,35 +813,51 @@ ONEBIT_EXPORT void onebit_cpu_server(const uint8_t* signs, int64_t nrows, int64_
 // Decode: for segment i of `bounds` (k + 1 entries over out's nrows * row_bytes * 8 elements),
 // chunk j: out[o_i + j L_i + p] = +-scales[j * k + i] from bit (7 - p % 8) of byte
 // o_i / (8 nrows) + p / 8 of row j of `signs` (rows `sign_stride` bytes apart), times mult[o_i + j L_i + p]
-// where mult (out's length, may be null) is given, or +0.0 where keep (packed bits over out, may be
-// null) has that bit clear.
+// where mult (out's length, may be null) is given, or divided by div[...] where div (out's length,
+// float32, or bfloat16 where div_bf16 is 1; may be null; not with mult) is given (+0.0 where it is
+// 0), or +0.0 where keep (packed bits over out, may be null) has that bit clear.
 ONEBIT_EXPORT void onebit_cpu_decode(const uint8_t* signs, int64_t nrows, int64_t sign_stride, int64_t row_bytes,
                                      const float* scales, const int64_t* bounds, int64_t k, const uint8_t* keep,
-                                     const float* mult, float* out, int threads) {
+                                     const float* mult, const void* div, int div_bf16, float* out, int threads) {
     const int64_t total = nrows * row_bytes;
     const int t = clamp_threads(threads, total * 8);
     const Segments seg{bounds, k, 1};
     const ByteRows rows{const_cast<uint8_t*>(signs), row_bytes, sign_stride};
     const bool avx2 = use_avx2();
     const bool stream = total * 8 * static_cast<int64_t>(sizeof(float)) >= kStreamBytes;
+    const auto run = [&](const uint8_t* in, int64_t c, float s, const uint8_t* kp, int64_t first, float* o) {
+        // first: the run's first element of out (the offset of mult and div)
+#if ONEBIT_X86
+        if (avx2) {
+            if (mult)
+                decode_avx2(in, c, s, kp, TimesAvx2{mult + first}, o, stream);
+            else if (div && div_bf16)
+                decode_avx2(in, c, s, kp, OverAvx2<Bf16Err>{static_cast<const uint16_t*>(div) + first}, o, stream);
+            else if (div)
+                decode_avx2(in, c, s, kp, OverAvx2<F32Err>{static_cast<const float*>(div) + first}, o, stream);
+            else
+                decode_avx2(in, c, s, kp, AsIsAvx2{}, o, stream);
+            return;
+        }
+#endif
+        (void)avx2;
+        (void)stream;
+        if (mult)
+            decode_scalar(in, c, s, kp, Times{mult + first}, o);
+        else if (div && div_bf16)
+            decode_scalar(in, c, s, kp, Over<Bf16Err>{static_cast<const uint16_t*>(div) + first}, o);
+        else if (div)
+            decode_scalar(in, c, s, kp, Over<F32Err>{static_cast<const float*>(div) + first}, o);
+        else
+            decode_scalar(in, c, s, kp, AsIs{}, o);
+    };
     parallel_ranges(total, t, [&](int64_t lo, int64_t hi) {
         for_each_piece(seg, nrows, row_bytes, lo, hi, [&](int64_t i, int64_t j, int64_t first, int64_t count,
                                                           int64_t wire) {
             const float s = scales[j * k + i];
             for_each_run(rows, wire, wire + count, [&](int64_t w0, int64_t c, uint8_t* in) {
                 const int64_t b0 = first + (w0 - wire);  // output byte: elements 8 b0 .. 8 b0 + 7
-                float* o = out + b0 * 8;
-                const uint8_t* kp = keep ? keep + b0 : nullptr;
-                const float* mp = mult ? mult + b0 * 8 : nullptr;
-#if ONEBIT_X86
-                if (avx2) {
-                    decode_avx2(in, c, s, kp, mp, o, stream);
-                    return;
-                }
-#endif
-                (void)avx2;
-                (void)stream;
-                decode_scalar(in, c, s, kp, mp, o);
+                run(in, c, s, keep ? keep + b0 : nullptr, b0 * 8, out + b0 * 8);
             });
         });
     });

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ._layout import check_limit
+from ._layout import check_divisor, check_limit
 from .blocked import blocked_rms_scale
 
 __all__ = ["pack_signs", "unpack_signs", "rms_scale", "segment_bounds", "worker_compress_", "server_compress_", "decode_"]
@@ -83,7 +83,7 @@ def worker_compress_(x: torch.Tensor, error: torch.Tensor, packed: torch.Tensor,
                      bounds: torch.Tensor | None = None, error_out: torch.Tensor | None = None,
                      multiplier: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
     """Worker side: for each segment ``b = x + error``; pack ``sign(b)``; ``error <- b - s*sign(b)``.
-    Given ``multiplier`` (float32, ``x``'s length), ``b = x * multiplier + error`` instead: a
+    Given ``multiplier`` (float32 or bfloat16, read exactly; ``x``'s length), ``b = x * multiplier + error`` instead: a
     multiply and an add, each rounded to float32 (what compressing ``x * multiplier`` gives,
     without writing it). Given ``limit`` (a float32 value > 0, with ``multiplier``),
     ``b = clamp(x * multiplier, -limit, limit) + error`` (a clamp rounds nothing: what compressing
@@ -164,7 +164,8 @@ def server_compress_(
 
 
 def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: torch.Tensor | None = None, *,
-            bounds: torch.Tensor | None = None, multiplier: torch.Tensor | None = None) -> torch.Tensor:
+            bounds: torch.Tensor | None = None, multiplier: torch.Tensor | None = None,
+            divisor: torch.Tensor | None = None) -> torch.Tensor:
     """Decode the gathered server chunks: ``signs`` is ``(n, C)`` (row ``j`` from server ``j``),
     ``scales`` ``(n, k)``. For segment ``i`` (``bounds`` as in :func:`worker_compress_`, over
     ``out``'s ``M = 8 n C`` elements), chunk ``j`` is
@@ -173,7 +174,10 @@ def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: 
     ``keep`` (optional): ``M / 8`` bytes of packed bits in the same order as ``out`` (MSB
     first); where a bit is clear the output is ``+0.0`` (a momentum mask, applied in the same
     pass). ``multiplier`` (optional, float32, ``out``'s length): each decoded value is multiplied
-    by it, rounded once (what decoding and then multiplying gives, in one pass)."""
+    by it, rounded once (what decoding and then multiplying gives, in one pass). ``divisor``
+    (optional, instead of ``multiplier``; float32 or bfloat16, read exactly): each decoded value
+    divided by it, rounded once, and ``+0.0`` where it is 0."""
+    check_divisor(multiplier, divisor)
     n = signs.shape[0]
     edges = segment_bounds(bounds, out.numel())
     k = len(edges) - 1
@@ -185,6 +189,8 @@ def decode_(signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, keep: 
         torch.mul(values[:, lo // n:lo // n + chunk], scales[:, i:i + 1], out=flat[lo:hi].view(n, chunk))
     if multiplier is not None:
         flat.mul_(multiplier.reshape(-1))
+    if divisor is not None:
+        flat.div_(divisor.reshape(-1)).masked_fill_(divisor.reshape(-1) == 0, 0.0)
     if keep is not None:
         flat.masked_fill_(unpack_signs(keep.reshape(-1)) < 0, 0.0)
     return out

@@ -31,7 +31,10 @@ class KernelSet:
     ``error_dtypes``: the types of compression error its compress functions read and write
     (always float32); the caller runs an error of another type (``error_dtype=torch.bfloat16``)
     through a float32 copy, which gives the same bits (see
-    :func:`onebit.kernels.reference.worker_compress_`)."""
+    :func:`onebit.kernels.reference.worker_compress_`). ``multiplier_dtypes``: the types of the
+    worker's ``multiplier=`` it takes (else the caller passes a float32 copy: the same bits).
+    ``divisors``: its ``decode_`` takes ``divisor=`` (each decoded value divided by it, ``+0.0``
+    where it is 0; float32 or bfloat16); else the caller divides in a pass of its own."""
 
     name: str
     worker_compress_: Callable[..., torch.Tensor]
@@ -41,6 +44,8 @@ class KernelSet:
     multipliers: bool = False
     limits: bool = False
     error_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    multiplier_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    divisors: bool = False
 
 
 REFERENCE = KernelSet(
@@ -52,6 +57,8 @@ REFERENCE = KernelSet(
     multipliers=True,
     limits=True,
     error_dtypes=(torch.float32, torch.bfloat16),
+    multiplier_dtypes=(torch.float32, torch.bfloat16),
+    divisors=True,
 )
 
 # name -> loader returning a KernelSet or raising ImportError/RuntimeError with the cause.

@@ -1,5 +1,9 @@
-"""``error_dtype=torch.bfloat16``: compression errors held in bfloat16 (issue 43), for every
-optimizer of the family. The oracle: the same optimizer with float32 errors rounded to bfloat16
+"""Compressed optimizer state (issue 43). ``error_dtype=torch.bfloat16``: compression errors held
+in bfloat16, for every optimizer of the family; ``preconditioner_dtype=torch.bfloat16``: 1-bit
+Adam's and 1-bit LAMB's frozen ``1 / d`` alone, in bfloat16 (its oracle is in
+``test_preconditioned.py``); the kernels that read and write both.
+
+For ``error_dtype``: The oracle: the same optimizer with float32 errors rounded to bfloat16
 after each step, which is what holding them in bfloat16 means (each new error computed in float32
 from what it adds, read exactly, and rounded once); the simulations with bfloat16 errors are in
 ``test_optimizer_distributed.py`` and ``test_diloco.py``."""
@@ -96,14 +100,14 @@ def test_the_reference_kernels_round_each_new_error_once():
     assert torch.equal(scale_a, scale_b) and torch.equal(packed_a, packed_b) and torch.equal(server, wide.bfloat16())
 
 
-def _codec_calls(kernels, error_dtype, segments, codec, in_place, gen):
-    """One worker and one server call of ``kernels`` on bfloat16 errors: what each returns and writes."""
+def _codec_calls(kernels, error_dtype, segments, codec, in_place, gen, multiplier_dtype=torch.float32):
+    """One worker and one server call of ``kernels`` on errors of ``error_dtype``: what each returns and writes."""
     n, numel = 2, 16 * 8 * 2 * 37
     bounds = torch.tensor([0, numel] if segments == 1 else [0, 16 * 80, numel], dtype=torch.int64)
     x = torch.randn(numel, generator=gen)
     x[::7] = 0.0  # (signs of zeros, and errors that cancel)
     error = (torch.randn(numel, generator=gen) * 0.3).to(error_dtype)
-    mult = torch.rand(numel, generator=gen) + 0.5
+    mult = (torch.rand(numel, generator=gen) + 0.5).to(multiplier_dtype)
     codec = {"multiplier": mult, **({"limit": 0.9} if codec == "limit" else {})} if codec else {}
     packed = torch.zeros(n, numel // 8 // n, dtype=torch.uint8)
     out = {} if in_place else {"error_out": torch.empty_like(error)}
@@ -154,6 +158,66 @@ def test_the_native_cpu_kernels_give_the_reference_bits(scalar):
                 assert torch.equal(got[0], got[1]) and got[0].dtype == torch.bfloat16
     finally:
         native.force_scalar(False)
+
+
+def _decode_calls(kernels, divisor_dtype, gen, keep: bool):
+    n, numel = 2, 16 * 8 * 2 * 37
+    bounds = torch.tensor([0, 16 * 80, numel], dtype=torch.int64)
+    signs = torch.randint(0, 256, (n, numel // 8 // n), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(n, 2, generator=gen)
+    divisor = (torch.rand(numel, generator=gen) * 4).to(divisor_dtype)
+    divisor[::5] = 0.0  # (+0.0 there)
+    divisor[1::5] = -0.0
+    mask = torch.randint(0, 256, (numel // 8,), dtype=torch.uint8, generator=gen) if keep else None
+    out = torch.full((numel,), float("nan"))
+    kernels.decode_(signs, scales, out, mask, bounds=bounds, divisor=divisor)
+    return out
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["vector", "scalar"])
+def test_the_native_cpu_kernels_take_a_bfloat16_multiplier_and_a_divisor(scalar):
+    """The worker's multiplier in bfloat16 (read exactly), and decode's divisor (float32 or
+    bfloat16; +0.0 where it is 0): the reference's bits on the AVX2 and the portable paths."""
+    from onebit.kernels import cpu
+    try:
+        native = cpu.load()
+    except (RuntimeError, OSError) as exc:
+        pytest.skip(f"no C++ compiler: {exc}")
+    native.force_scalar(scalar)
+    try:
+        for error_dtype in (torch.float32, torch.bfloat16):
+            for codec in ("multiplier", "limit"):
+                gen = torch.Generator().manual_seed(11)
+                expected = _codec_calls(reference_kernels(), error_dtype, 2, codec, True, gen, torch.bfloat16)
+                gen = torch.Generator().manual_seed(11)
+                got = _codec_calls(native, error_dtype, 2, codec, True, gen, torch.bfloat16)
+                assert all(torch.equal(a, b) for a, b in zip(got, expected)), (error_dtype, codec)
+        for divisor_dtype in (torch.float32, torch.bfloat16):
+            for keep in (False, True):
+                expected = _decode_calls(reference_kernels(), divisor_dtype, torch.Generator().manual_seed(4), keep)
+                got = _decode_calls(native, divisor_dtype, torch.Generator().manual_seed(4), keep)
+                assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (divisor_dtype, keep)
+                assert bool((expected == 0).any()) and not bool(expected.isnan().any())
+        with pytest.raises(ValueError, match="a multiplier or a divisor, not both"):
+            native.decode_(torch.zeros(1, 2, dtype=torch.uint8), torch.ones(1), torch.zeros(16),
+                           multiplier=torch.ones(16), divisor=torch.ones(16))
+    finally:
+        native.force_scalar(False)
+
+
+def test_lamb_with_a_bfloat16_preconditioner_takes_either_trust_ratio():
+    """1-bit LAMB holds 1 / d alone in bfloat16 too; DeepSpeed's rule (trust_ratio='frozen'),
+    which compares d with a fresh denominator, derives d for its step."""
+    from onebit import OnebitLamb
+    for rule in ("live", "frozen"):
+        _, opt, held = _run(OnebitLamb, dict(freeze_step=3), {"trust_ratio": rule}, preconditioner_dtype="bfloat16")
+        _, _, wide = _run(OnebitLamb, dict(freeze_step=3), {"trust_ratio": rule})
+        inverses = [entry.inverse for entry in opt._frozen_denominator._entries.values()]
+        assert inverses and all(x.dtype == torch.bfloat16 for x in inverses)
+        assert all(entry.flat is None for entry in opt._frozen_denominator._entries.values())
+        gap = max(float((a - b).abs().max()) for a, b in zip(held[-1], wide[-1]))
+        assert 0 < gap < 1e-2, (rule, gap)  # (not float32's steps, but close to them)
+        assert all(torch.isfinite(p).all() for p in held[-1])
 
 
 def test_a_float16_error_is_refused_by_the_kernels():
