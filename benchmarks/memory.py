@@ -3,7 +3,7 @@ and the accounting behind it: every buffer each optimizer holds, and every trans
 
     python benchmarks/memory.py                        # 2 gloo ranks, one 16M-element parameter
     python benchmarks/memory.py --numel 4e6 --tag quick
-    python benchmarks/memory.py --bf16-errors          # and each 1-bit optimizer with error_dtype bfloat16
+    python benchmarks/memory.py --compact              # and the compressed state of each 1-bit optimizer
 
 Three parts, each in ranks of their own (``--world-size``, default 2, gloo on loopback, one thread):
 
@@ -47,8 +47,10 @@ sys.path.insert(0, str(HERE))
 from local_ranks import run_local_ranks  # noqa: E402
 
 NAMES = ("Adam", "OnebitAdam", "OnebitLamb", "ZeroOneAdam", "OnebitDiLoCo")
-#: the suffix of a 1-bit optimizer's name (``--bf16-errors``) that builds it with ``error_dtype=torch.bfloat16``
-BF16_ERRORS = " bf16 errors"
+#: ``--compact``: the suffixes of a 1-bit optimizer's name that build it with compressed state, and
+#: the options they add (``compact``: 1-bit Adam and 1-bit LAMB only)
+VARIANTS = {" bf16 errors": {"error_dtype": torch.bfloat16},
+            " compact": {"error_dtype": torch.bfloat16, "preconditioner_dtype": torch.bfloat16}}
 #: steps of each run: 4 of warmup (phase 1) for every schedule below, then 12 past it
 STEPS = 16
 SMALL = 1001  # the accounting's second parameter (odd: the compressed layout pads it)
@@ -59,8 +61,9 @@ def build(name: str, params: list[torch.nn.Parameter], **options: Any) -> torch.
     compressed-gradient steps up to 8, then local steps and syncs; DiLoCo: an outer step every 4)."""
     import onebit
 
-    if name.endswith(BF16_ERRORS):
-        return build(name[:-len(BF16_ERRORS)], params, error_dtype=torch.bfloat16, **options)
+    for suffix, variant in VARIANTS.items():
+        if name.endswith(suffix):
+            return build(name[:-len(suffix)], params, **variant, **options)
     if name == "Adam":
         return torch.optim.Adam(params, lr=1e-3)
     backend = {"comm_backend_name": "gloo" if dist.is_initialized() else "local", **options}
@@ -73,7 +76,8 @@ def build(name: str, params: list[torch.nn.Parameter], **options: Any) -> torch.
                                   local_step_clipper=4, **backend)
     if name == "OnebitDiLoCo":
         return onebit.OnebitDiLoCo(params, lr=1e-3, sync_every=4, **backend)
-    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(NAMES)} (1-bit ones with '{BF16_ERRORS}')")
+    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(NAMES)} (1-bit ones with a suffix of "
+                     f"{list(VARIANTS)})")
 
 
 def plan_name(opt: torch.optim.Optimizer) -> str:
@@ -344,8 +348,11 @@ def _commit() -> str:
 
 
 def names(args: argparse.Namespace) -> list[str]:
-    """The optimizers measured: :data:`NAMES`, and with ``--bf16-errors`` each 1-bit one with bfloat16 errors."""
-    return [*NAMES, *(name + BF16_ERRORS for name in NAMES if name != "Adam" and args.bf16_errors)]
+    """The optimizers measured: :data:`NAMES`, and with ``--compact`` each 1-bit one with bfloat16
+    errors, and 1-bit Adam and LAMB with their frozen preconditioner in bfloat16 too."""
+    if not args.compact:
+        return list(NAMES)
+    return [*NAMES, *(name + " bf16 errors" for name in NAMES[1:]), "OnebitAdam compact", "OnebitLamb compact"]
 
 
 def main() -> None:
@@ -355,8 +362,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--tag", default="", help="results/memory_<tag>.{json,md}")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
-    parser.add_argument("--bf16-errors", action="store_true",
-                        help="measure each 1-bit optimizer with error_dtype=torch.bfloat16 too")
+    parser.add_argument("--compact", action="store_true",
+                        help="measure each 1-bit optimizer with error_dtype=torch.bfloat16 too, and 1-bit Adam and "
+                             "LAMB with preconditioner_dtype=torch.bfloat16 as well")
     args = parser.parse_args()
     # Every allocation of 1 MiB or more is its own mapping, returned to the system when freed (glibc
     # otherwise raises its threshold after a free, and keeps freed blocks of up to 32 MiB resident):

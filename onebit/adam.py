@@ -89,10 +89,12 @@ class OnebitAdam(FrozenVarianceOptimizer):
         compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
         update_bound: float | str | None = "auto",
+        preconditioner_dtype: Any = None,
         **options: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound, **options)
+        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound,
+                         preconditioner_dtype, **options)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:
@@ -174,13 +176,13 @@ def descend_(bucket: Bucket, momenta: list[torch.Tensor], denominators: list[tor
     parameters, one fused pass each (float32 parameters; others: :func:`decayed_step_` of
     ``(m / denominator) / bc1``). ``times``: the denominators are inverses, ``m * inverse`` instead."""
     if not bucket.same_dtype:
-        updates = [torch.mul(mom, d) if times else torch.div(mom, d) for mom, d in zip(momenta, denominators)]
+        updates = [torch.mul(mom, d.float()) if times else torch.div(mom, d) for mom, d in zip(momenta, denominators)]
         decayed_step_(bucket, updates if bc1 == 1.0 else [u.div_(bc1) for u in updates], lr, weight_decay)
         return
     if weight_decay != 0:
         torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
-    if times:
-        torch._foreach_addcmul_(bucket.params, momenta, denominators, value=-lr / bc1)
+    if times:  # (bfloat16 inverses, widened a million elements at a time)
+        F.addcmul_widened_(bucket.params, momenta, denominators, -lr / bc1)
     else:
         torch._foreach_addcdiv_(bucket.params, momenta, denominators, value=-lr / bc1)
 

@@ -17,7 +17,7 @@ pass: the same maths, rounded differently.)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -152,3 +152,48 @@ def kept_still(exp_avg_sq: torch.Tensor, mask: torch.Tensor | None = None) -> to
     if mask is not None:
         still |= mask == 0
     return still
+
+
+#: Elements widened from bfloat16 at a time by :func:`addcmul_widened_` and :func:`mul_widened`
+WIDEN_CHUNK = 1 << 20
+
+
+def _pieces(tensors: Sequence[torch.Tensor], chunk: int) -> Iterator[list[tuple[int, slice | None]]]:
+    """Batches of ``(index, part)`` of at most about ``chunk`` elements: small tensors whole
+    (``part`` None), a contiguous one larger than ``chunk`` in slices of its flat view."""
+    batch: list[tuple[int, slice | None]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n > chunk and t.is_contiguous():
+            for start in range(0, n, chunk):
+                yield [(i, slice(start, min(start + chunk, n)))]
+            continue
+        if batch and size + n > chunk:
+            yield batch
+            batch, size = [], 0
+        batch.append((i, None))
+        size += n
+    if batch:
+        yield batch
+
+
+def _part(t: torch.Tensor, part: slice | None) -> torch.Tensor:
+    return t if part is None else t.view(-1)[part]
+
+
+def addcmul_widened_(outs: Sequence[torch.Tensor], a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], value: float,
+                     chunk: int = WIDEN_CHUNK) -> None:
+    """``out += value * a * float(b)`` for each triple (``b`` of a narrower type, e.g. bfloat16),
+    widening ``chunk`` elements of ``b`` at a time (the same numbers as widening all of it first)."""
+    for batch in _pieces(outs, chunk):
+        torch._foreach_addcmul_([_part(outs[i], p) for i, p in batch], [_part(a[i], p) for i, p in batch],
+                                [_part(b[i], p).float() for i, p in batch], value=value)
+
+
+def mul_widened(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, chunk: int = WIDEN_CHUNK) -> torch.Tensor:
+    """``out = a * float(b)`` over flat tensors, widening ``chunk`` elements of ``b`` at a time."""
+    for start in range(0, a.numel(), chunk):
+        part = slice(start, start + chunk)
+        torch.mul(a[part], b[part].float(), out=out[part])
+    return out

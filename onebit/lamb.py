@@ -161,6 +161,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
         compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
         update_bound: float | str | None = "auto",
+        preconditioner_dtype: Any = None,
         **options: Any,
     ) -> None:
         check_choice("trust_ratio", trust_ratio, TRUST_RATIOS)
@@ -184,7 +185,8 @@ class OnebitLamb(FrozenVarianceOptimizer):
         self.trust_ratio = trust_ratio
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff)
-        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound, **options)
+        super().__init__(params, defaults, freeze_step, compression_space, freeze_bounds, update_bound,
+                         preconditioner_dtype, **options)
 
     @classmethod
     def _check_group(cls, group: Mapping[str, Any]) -> None:
@@ -268,7 +270,7 @@ class OnebitLamb(FrozenVarianceOptimizer):
     def _direction(self, bucket: Bucket, eps: float, out: torch.Tensor) -> torch.Tensor:
         """``m / d`` into ``out`` (with a bfloat16 preconditioner: ``m * (1 / d)``)."""
         if self.preconditioner_dtype != torch.float32:
-            return torch.mul(bucket.buffers["exp_avg"], self._frozen_denominator.inverse(bucket, eps).inverse, out=out)
+            return F.mul_widened(bucket.buffers["exp_avg"], self._frozen_denominator.inverse(bucket, eps).inverse, out)
         return torch.div(bucket.buffers["exp_avg"], self._frozen_denominator.get(bucket, eps).flat, out=out)
 
     def _denominator(self, bucket: Bucket, eps: float) -> torch.Tensor:

@@ -302,3 +302,20 @@ def test_from_a_config_file():
     config["optimizer"]["params"]["error_dtype"] = 16
     with pytest.raises((TypeError, ValueError), match="error_dtype"):
         from_config(tiny_mlp(6, 16, 3).parameters(), config)
+
+
+def test_widened_products_equal_the_whole_ones():
+    """The chunked forms of ``out += v a float(b)`` and ``a * float(b)`` (a bfloat16 ``b`` widened a
+    chunk at a time): the numbers of widening it all first, across chunk boundaries and tensor sizes."""
+    from onebit import functional as F
+    gen = torch.Generator().manual_seed(0)
+    sizes = [5, 3000, 7, 10, 2500, 999, 1]
+    outs = [torch.randn(n, generator=gen) for n in sizes]
+    a = [torch.randn(n, generator=gen) for n in sizes]
+    b = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    want = [torch.addcmul(o, x, y.float(), value=-0.3) for o, x, y in zip(outs, a, b)]
+    F.addcmul_widened_(outs, a, b, -0.3, chunk=1000)
+    assert all(torch.equal(x, y) for x, y in zip(outs, want))
+    flat_a, flat_b = torch.cat(a), torch.cat(b)
+    out = torch.empty_like(flat_a)
+    assert torch.equal(F.mul_widened(flat_a, flat_b, out, chunk=1000), flat_a * flat_b.float())
