@@ -5,6 +5,7 @@
     python benchmarks/space_cost.py --optimizer lamb --rounds 10
     python benchmarks/space_cost.py --bound                 # and update_bound=None: results/space_cost_bound.*
     python benchmarks/space_cost.py --optimizer lamb --trust-ratio   # and LAMB's trust_ratio="frozen"
+    python benchmarks/space_cost.py --compact               # compressed state: results/space_cost_compact.*
 
 Each rank builds one model per configuration (the model of ``peers.py``, same initial values) and
 runs their compression steps interleaved: every round runs one step of each configuration, in a
@@ -41,6 +42,12 @@ OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    if args.compact:  # the defaults first; then the errors in bfloat16, and 1 / d alone in bfloat16 too; each space
+        errors = {"error_dtype": torch.bfloat16}
+        compact = {**errors, "preconditioner_dtype": torch.bfloat16}
+        return [("preconditioned", {}), ("preconditioned, bf16 errors", errors), ("preconditioned, compact", compact),
+                ("momentum", {"compression_space": "momentum"}),
+                ("momentum, compact", {"compression_space": "momentum", **compact})]
     # "preconditioned" is the default: with update_bound="auto", i.e. m / d clamped at 1 in the codec's pass
     out = [("momentum", {"compression_space": "momentum"}), ("preconditioned", {"compression_space": "preconditioned"})]
     if args.unfused:  # the multiplies in passes of their own (as with kernels without `multipliers`)
@@ -126,6 +133,9 @@ def main() -> None:
     parser.add_argument("--trust-ratio", action="store_true",
                         help="(--optimizer lamb) add trust_ratio='frozen', DeepSpeed's rule, beside the default "
                              "'live' (writes space_cost_lamb_trust.*)")
+    parser.add_argument("--compact", action="store_true",
+                        help="compressed state instead: error_dtype and preconditioner_dtype bfloat16 beside the "
+                             "defaults, in each space (writes space_cost[_lamb]_compact.*)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = parser.parse_args()
     if args.trust_ratio and args.optimizer != "lamb":
@@ -144,7 +154,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     suffix = ("" if args.optimizer == "adam" else f"_{args.optimizer}") + ("_bound" if args.bound else "")
-    suffix += "_trust" if args.trust_ratio else ""
+    suffix += ("_trust" if args.trust_ratio else "") + ("_compact" if args.compact else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"space_cost{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out_dir / f"space_cost{suffix}.md").write_text(text)

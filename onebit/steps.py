@@ -120,8 +120,8 @@ class Steps:
             if grads is None:
                 with self._timed("gather_grads"):
                     grads = grads_of(bucket, True, None)
-            if r.check_double:
-                r.local[id(bucket)] = bucket.wire()[:bucket.numel].clone()
+            if r.check_double:  # (digests of this rank's gradients: the all-reduce overwrites them)
+                r.local[id(bucket)] = _chunk_digests(bucket.wire()[:bucket.numel])
             r.pending[id(bucket)] = self._backend.start_all_reduce_mean_(bucket.wire_to_send(self._wire_dtype()))
         elif compressed:
             grads = grads_of(bucket, False, None) if grads is None else grads
@@ -344,17 +344,19 @@ class Steps:
     def _double_check(self, local: list[torch.Tensor], reduced: list[Bucket], t: int) -> None:
         """A framework that averages gradients itself (DDP, Lightning, Accelerate, the DeepSpeed
         engine) hands every rank the same gradients: this optimizer's average of them is then what
-        each rank had already. Said (or raised, with ``divergence='raise'``) once. The condition is
-        the same on every rank: the averages are, and each rank's own gradients equal them only
-        when every rank's do."""
+        each rank had already. Said (or raised, with ``divergence='raise'``) once. ``local``: each
+        bucket's :func:`_chunk_digests` of this rank's gradients, taken before the average
+        overwrote them (no copy of them is kept). The condition is the same on every rank: the
+        averages are, and each rank's own gradients equal them only when every rank's do. With
+        ``reduce_dtype`` the averages come back rounded: :meth:`_same_on_every_rank` decides."""
         averaged = [bucket.wire()[:bucket.numel] for bucket in reduced]
         if not any(bool(part.any()) for a in averaged for part in a.split(_CHUNK)):
             return  # no gradient at all: nothing to tell
-        if self._wire_dtype() is None:  # (in chunks: allclose's temporaries are several times its input)
-            same = all(torch.allclose(x_part, a_part, rtol=1e-6, atol=0.0) for x, a in zip(local, averaged)
-                       for x_part, a_part in zip(x.split(_CHUNK), a.split(_CHUNK)))
+        if self._wire_dtype() is None:
+            same = all(_digests_match(_chunk_digests(a), x) for x, a in zip(local, averaged))
         else:
-            same = self._same_on_every_rank(local)
+            both = torch.cat(local).sum(0).tolist()
+            same = self._same_on_every_rank(digest=(both[0], both[1]))
         self._say_double(same, t, "so every warmup step averages them twice, and the compression steps still send "
                          "them in full precision")
 
@@ -381,16 +383,15 @@ class Steps:
             "rank really trains on the same data, ignore this: data parallelism then gains nothing.)",
             self._backend.rank)
 
-    def _same_on_every_rank(self, local: list[torch.Tensor], anywhere: bool = False) -> bool | tuple[bool, bool]:
-        """Whether every rank had the same gradients, for :meth:`_double_check` with
-        ``reduce_dtype``: its averages come back rounded (by more as ranks are added), so they
-        cannot be compared with a rank's own. Instead each rank's sum and sum of squares, and their
-        squares, are averaged in float64 (one 32-byte all-reduce, on these few steps only): zero
-        variance across ranks, decided from the same numbers on every rank. ``anywhere``: also
-        whether some rank has a gradient that is not 0."""
-        parts = [part for x in local for part in x.split(_CHUNK)]  # (float64 copies of a chunk at a time)
-        s1 = sum(float(part.sum(dtype=torch.float64)) for part in parts)
-        s2 = sum(float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2 for part in parts)
+    def _same_on_every_rank(self, local: list[torch.Tensor] | None = None, anywhere: bool = False,
+                            digest: tuple[float, float] | None = None) -> bool | tuple[bool, bool]:
+        """Whether every rank had the same gradients ``local`` (or the :func:`_digest` of them), for
+        :meth:`_double_check` and :meth:`_check_unaveraged`: each rank's sum and sum of squares, and
+        their squares, are averaged in float64 (one 32-byte all-reduce, on these few steps only):
+        zero variance across ranks, decided from the same numbers on every rank (an average that
+        ``reduce_dtype`` rounded could not be compared with a rank's own, nor need a copy of them be
+        kept). ``anywhere``: also whether some rank has a gradient that is not 0."""
+        s1, s2 = _digest(local) if digest is None else digest
         digest = torch.tensor([s1, s2, s1 * s1, s2 * s2], dtype=torch.float64, device=self._device())
         m1, m2, q1, q2 = self._backend.all_reduce_mean_(digest).tolist()
         same = all(q - m * m <= 1e-12 * q for m, q in ((m1, q1), (m2, q2)))
@@ -457,6 +458,29 @@ class Steps:
         index = {id(p): i for i, p in enumerate(group["params"])}
         return [(value, names[index[id(p)]] if names else f"parameter {index[id(p)]} of group {bucket.group_index} "
                  f"(shape {tuple(p.shape)})") for value, p in zip(steps.tolist(), bucket.owners)]
+
+
+def _chunk_digests(x: torch.Tensor) -> torch.Tensor:
+    """Per chunk of ``_CHUNK`` elements of flat ``x``: its float64 sum and sum of squares (``(k, 2)``)."""
+    parts = x.split(_CHUNK)
+    return torch.tensor([[float(p.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(p, dtype=torch.float64)) ** 2]
+                         for p in parts], dtype=torch.float64).reshape(len(parts), 2)
+
+
+def _digests_match(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' :func:`_chunk_digests` agree as values equal to about 1e-6 of each
+    other do (the average of equal gradients differs from them in the last bit at most)."""
+    s1a, s2a = a.unbind(1)
+    s1b, s2b = b.unbind(1)
+    return bool(((s2a - s2b).abs() <= 4e-6 * s2b).all() and ((s1a - s1b).abs() <= 4e-6 * (s2b * _CHUNK).sqrt()).all())
+
+
+def _digest(tensors: list[torch.Tensor]) -> tuple[float, float]:
+    """The float64 sum and sum of squares of ``tensors``, a chunk at a time (float64 copies of
+    a chunk only)."""
+    parts = [part for x in tensors for part in x.split(_CHUNK)]
+    return (sum(float(part.sum(dtype=torch.float64)) for part in parts),
+            sum(float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2 for part in parts))
 
 
 def _into(multipliers: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
