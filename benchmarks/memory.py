@@ -216,9 +216,9 @@ def _init(rank: int, world: int, store: str) -> None:
                             timeout=datetime.timedelta(seconds=600))
 
 
-def _warm() -> None:
-    """Import and run every optimizer once on a small parameter (kernels built, code paths taken)."""
-    for name in NAMES:
+def _warm(measured: list[str]) -> None:
+    """Import and run every optimizer ``measured`` once on a small parameter (kernels built, code paths taken)."""
+    for name in measured:
         p = torch.nn.Parameter(torch.zeros(4096))
         opt = build(name, [p])
         for _ in range(STEPS):
@@ -229,7 +229,7 @@ def _warm() -> None:
 
 def _rss_rank(rank: int, world: int, args: argparse.Namespace, store: str, out: str) -> None:
     _init(rank, world, store)
-    _warm()
+    _warm(names(args))
     numel = int(args.numel)
     generator = torch.Generator().manual_seed(rank)
     p = torch.nn.Parameter(torch.zeros(numel))
@@ -252,7 +252,7 @@ def _rss_rank(rank: int, world: int, args: argparse.Namespace, store: str, out: 
 
 def _accounting_rank(rank: int, world: int, args: argparse.Namespace, store: str, out: str) -> None:
     _init(rank, world, store)
-    _warm()
+    _warm(names(args))
     numel = int(args.accounting_numel) + SMALL
     generator = torch.Generator().manual_seed(rank)
     result = {}

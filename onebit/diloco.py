@@ -533,7 +533,8 @@ class OnebitDiLoCo(DelayedSync, OnebitOptimizer):
         further passes' own errors are 0 between outer steps)."""
         first = bucket.compression
         if self.outer_bits > 1:  # (its errors start and end each outer step at 0: it lives only through one)
-            state = new_state(bucket.padded, self._backend.world_size, bucket.device, bucket.layout.edges)
+            state = new_state(bucket.padded, self._backend.world_size, bucket.device, bucket.layout.edges,
+                              error_dtype=bucket.compression.error_dtype)
         for _ in range(self.outer_bits - 1):
             residual = bucket.scratch("residual")  # (its padding stays 0, as the first pass's input's)
             for view, error in zip(bucket.view(residual), bucket.view(first.worker_error)):

@@ -346,8 +346,10 @@ class Steps:
         engine) hands every rank the same gradients: this optimizer's average of them is then what
         each rank had already. Said (or raised, with ``divergence='raise'``) once. ``local``: each
         bucket's :func:`_chunk_digests` of this rank's gradients, taken before the average
-        overwrote them (no copy of them is kept). The condition is the same on every rank: the
-        averages are, and each rank's own gradients equal them only when every rank's do. With
+        overwrote them (no copy of them is kept), compared with the average's to about 1e-6 of
+        their norm (:func:`_digests_match`, as the elementwise comparison before it). Each rank
+        decides alone, as before: the averages are the same on every rank, and a rank's own
+        gradients equal them when every rank's do (or, by chance, when its own are the mean). With
         ``reduce_dtype`` the averages come back rounded: :meth:`_same_on_every_rank` decides."""
         averaged = [bucket.wire()[:bucket.numel] for bucket in reduced]
         if not any(bool(part.any()) for a in averaged for part in a.split(_CHUNK)):
@@ -460,19 +462,34 @@ class Steps:
                  f"(shape {tuple(p.shape)})") for value, p in zip(steps.tolist(), bucket.owners)]
 
 
+_SIGNS: dict[torch.device, torch.Tensor] = {}
+
+
+def _signs(device: torch.device) -> torch.Tensor:
+    """A fixed pattern of ``_CHUNK`` random signs (float32 +-1) on ``device``."""
+    signs = _SIGNS.get(device)
+    if signs is None:
+        gen = torch.Generator().manual_seed(0)
+        signs = _SIGNS[device] = (torch.randint(0, 2, (_CHUNK,), generator=gen) * 2 - 1).float().to(device)
+    return signs
+
+
 def _chunk_digests(x: torch.Tensor) -> torch.Tensor:
-    """Per chunk of ``_CHUNK`` elements of flat ``x``: its float64 sum and sum of squares (``(k, 2)``)."""
-    parts = x.split(_CHUNK)
-    return torch.tensor([[float(p.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(p, dtype=torch.float64)) ** 2]
-                         for p in parts], dtype=torch.float64).reshape(len(parts), 2)
+    """Per chunk of ``_CHUNK`` elements of flat ``x``, in float64: its sum, its sum of squares and
+    its sum with the fixed random signs of :func:`_signs` (``(k, 3)``, on the CPU; one transfer)."""
+    signs = _signs(x.device)
+    rows = [torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64) ** 2,
+                         torch.mul(p, signs[:p.numel()]).sum(dtype=torch.float64)]) for p in x.split(_CHUNK)]
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, 3, dtype=torch.float64)
 
 
 def _digests_match(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' :func:`_chunk_digests` agree as values equal to about 1e-6 of each
-    other do (the average of equal gradients differs from them in the last bit at most)."""
-    s1a, s2a = a.unbind(1)
-    s1b, s2b = b.unbind(1)
-    return bool(((s2a - s2b).abs() <= 4e-6 * s2b).all() and ((s1a - s1b).abs() <= 4e-6 * (s2b * _CHUNK).sqrt()).all())
+    """Whether the tensors of :func:`_chunk_digests` ``a`` and ``b`` are equal to about 1e-6 of
+    their size, chunk by chunk: their signed sums differ by at most ``4e-6`` of the chunk's L2 norm
+    (a difference ``d`` moves the signed sum by about ``|d|``, not cancelling as in plain sums; the
+    average of equal gradients differs from them in the last bits), as do their norms."""
+    norms = b[:, 1].sqrt()
+    return bool(((a[:, 2] - b[:, 2]).abs() <= 4e-6 * norms).all() and ((a[:, 1].sqrt() - norms).abs() <= 4e-6 * norms).all())
 
 
 def _digest(tensors: list[torch.Tensor]) -> tuple[float, float]:

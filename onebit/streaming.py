@@ -116,7 +116,8 @@ class DelayedSync:
         passes = flight.passes.setdefault(id(bucket), [])
         previous = bucket.compression
         for _ in range(self.outer_bits - 1 if self.compression == "onebit" else 0):
-            state = new_state(bucket.padded, self._backend.world_size, bucket.device, bucket.layout.edges)
+            state = new_state(bucket.padded, self._backend.world_size, bucket.device, bucket.layout.edges,
+                              error_dtype=bucket.compression.error_dtype)
             residual = torch.zeros(bucket.padded, dtype=torch.float32, device=bucket.device)
             for view, error in zip(bucket.view(residual), bucket.view(previous.worker_error)):
                 view.copy_(error)  # (its padding stays 0, as the first pass's input's)

@@ -319,3 +319,18 @@ def test_widened_products_equal_the_whole_ones():
     flat_a, flat_b = torch.cat(a), torch.cat(b)
     out = torch.empty_like(flat_a)
     assert torch.equal(F.mul_widened(flat_a, flat_b, out, chunk=1000), flat_a * flat_b.float())
+
+
+def test_the_double_average_digests_tell_equal_gradients_from_close_ones():
+    """The first steps keep digests of a rank's gradients, not a copy: the average of equal
+    gradients matches them (on 3 ranks: rounded in its last bits); gradients 1e-4 apart, whose
+    plain sums and norms would agree within 1e-6, do not match."""
+    from onebit.steps import _chunk_digests, _digests_match
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(600_000, generator=gen)
+    assert _digests_match(_chunk_digests((g + g + g) / 3), _chunk_digests(g))
+    d = torch.randn(600_000, generator=gen) * 1e-4 * float(g.abs().mean())
+    for local in (g + d, g - d):
+        assert not _digests_match(_chunk_digests(g), _chunk_digests(local))
+    assert not _digests_match(_chunk_digests(torch.zeros_like(g)), _chunk_digests(g))
+    assert _digests_match(_chunk_digests(torch.zeros(10)), _chunk_digests(torch.zeros(10)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from distributed import run_ranks
 from onebit import OnebitAdam
 from onebit.backends.torch_dist import TorchDistBackend
 from onebit.compression import padded_length
+from onebit.kernels import REFERENCE, registry
 from onebit.testing import simulate_compressed_allreduce
 
 LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8
@@ -164,14 +167,16 @@ def test_trajectory_matches_simulation_in_both_phases(tmp_path, world_size, buck
 @pytest.mark.parametrize("world_size,bucket_size", [(2, 2**24), (3, 30)])
 def test_bfloat16_errors_round_each_new_error_once_on_every_kernel_set(tmp_path, world_size, bucket_size):
     """error_dtype=torch.bfloat16 holds the errors in bfloat16: bit for bit a float32 run whose new
-    errors are rounded to bfloat16 after each step, with the native CPU kernels (through a float32
-    copy) and the reference kernels alike; and, on 2 ranks, the simulation with bfloat16 errors.
+    errors are rounded to bfloat16 after each step, with the CPU kernels and the reference kernels
+    (both reading and writing bfloat16 themselves) and a kernel set of float32 errors only (as the
+    CUDA kernels: each stage on a float32 copy) alike; and, on 2 ranks, the simulation with
+    bfloat16 errors.
     (On 3 ranks the engine and the simulation differ in float32's last bit, which a bfloat16
     rounding can turn into one bfloat16 unit of an error: their trajectories then part by ~5e-6.)"""
     steps, freeze_step = 8, 3
     args = (steps, freeze_step, None, None, bucket_size, None)
     runs = {kernels: run_ranks(_train_rank, world_size, tmp_path / kernels, *args, torch.bfloat16, kernels)
-            for kernels in ("auto", "reference")}
+            for kernels in ("auto", "reference", "reference-float32-errors")}
     rounded = run_ranks(_train_rank, world_size, tmp_path / "rounded", *args, None, "auto", True)
     for results in runs.values():
         for rank in range(world_size):
@@ -191,6 +196,12 @@ def test_bfloat16_errors_round_each_new_error_once_on_every_kernel_set(tmp_path,
     plain = run_ranks(_train_rank, world_size, tmp_path / "float32", *args, None, "auto")
     gap = max(float((a - b).abs().max()) for a, b in zip(plain[0]["snapshots"][-1], rounded[0]["snapshots"][-1]))
     assert gap > 1e-5, gap
+
+
+# The reference codec as a kernel set of float32 errors only (as the CUDA kernels): bfloat16 errors
+# go through a float32 copy in each stage.
+registry.register("reference-float32-errors", lambda: dataclasses.replace(
+    REFERENCE, name="reference-float32-errors", error_dtypes=(torch.float32,)))
 
 
 def _counted(name: str):

@@ -28,7 +28,8 @@
 //
 // Errors. The compression errors are float32, or bfloat16 held as their 16 bits (error_dtype):
 // read exactly (the bits shifted up), each new error computed in float32 and rounded once to
-// nearest even, as torch rounds a float32 to bfloat16 (a NaN gives 0x7fc0).
+// nearest even, as torch rounds a float32 to bfloat16 (a NaN stays a NaN, its payload unspecified:
+// torch's own conversions differ there).
 
 #include <algorithm>
 #include <cmath>
