@@ -111,12 +111,10 @@ class FrozenDenominator:
         return entry.inverse, entry.flat
 
     def inverse(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> _Frozen:
-        """``1 / d`` in this cache's type (flat, and per-parameter views), 0 where the momentum is
-        kept 0; in bfloat16 each value is the float32 one rounded once."""
+        """``1 / d`` in bfloat16 (flat, and per-parameter views), 0 where the momentum is kept 0:
+        each value the float32 one rounded once (a float32 cache: :meth:`preconditioner`)."""
         if self.dtype == torch.float32:
-            inverse, _ = self.preconditioner(bucket, eps, bc2)
-            entry = self._entries[bucket]
-            return _Frozen(entry.key, entry.version, entry.flat, bucket.view(inverse), inverse)
+            raise RuntimeError("a float32 preconditioner holds d and 1 / d: use preconditioner() or get()")
         entry = self._current(bucket, eps, bc2)
         if entry is None:
             v, mask = bucket.buffers["exp_avg_sq"], bucket.mask

@@ -12,7 +12,7 @@ import torch
 logger = logging.getLogger("onebit.engine")
 
 __all__ = ["Health", "SKIPS_TO_WARN", "ERROR_RATIO_TO_WARN", "UPDATE_RATIO_TO_WARN", "HEALTH_CHECK_INTERVAL",
-           "error_ratio"]
+           "error_ratio", "chunk_digests", "digests_match", "digest_of", "DIGEST_CHUNK"]
 
 # This many skipped steps in a row, or a tensor whose worker compression error is above this many
 # times the norm of what it compresses, checked every so many compression steps (two extra passes
@@ -136,3 +136,48 @@ def error_ratio(error: torch.Tensor, buffer: torch.Tensor, sizes: Sequence[int])
     values = torch.stack(torch._foreach_norm(list(buffer.split(sizes))))
     live = values > 0
     return float((errors[live] / values[live]).max()) if bool(live.any()) else None
+
+
+# ----------------------------------------------------------------------------- gradient digests
+# What the first steps' look for a framework averaging the gradients (onebit.steps) keeps of them
+# instead of a copy.
+
+#: Elements per chunk of a digest
+DIGEST_CHUNK = 1 << 18
+
+_SIGNS: dict[torch.device, torch.Tensor] = {}
+
+
+def _signs(device: torch.device) -> torch.Tensor:
+    """A fixed pattern of ``DIGEST_CHUNK`` random signs (float32 +-1) on ``device``."""
+    signs = _SIGNS.get(device)
+    if signs is None:
+        gen = torch.Generator().manual_seed(0)
+        signs = _SIGNS[device] = (torch.randint(0, 2, (DIGEST_CHUNK,), generator=gen) * 2 - 1).float().to(device)
+    return signs
+
+
+def chunk_digests(x: torch.Tensor) -> torch.Tensor:
+    """Per chunk of ``DIGEST_CHUNK`` elements of flat ``x``, in float64: its sum, its sum of squares and
+    its sum with the fixed random signs of :func:`_signs` (``(k, 3)``, on the CPU; one transfer)."""
+    signs = _signs(x.device)
+    rows = [torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64) ** 2,
+                         torch.mul(p, signs[:p.numel()]).sum(dtype=torch.float64)]) for p in x.split(DIGEST_CHUNK)]
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, 3, dtype=torch.float64)
+
+
+def digests_match(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the tensors of :func:`chunk_digests` ``a`` and ``b`` are equal to about 1e-6 of
+    their size, chunk by chunk: their signed sums differ by at most ``4e-6`` of the chunk's L2 norm
+    (a difference ``d`` moves the signed sum by about ``|d|``, not cancelling as in plain sums; the
+    average of equal gradients differs from them in the last bits), as do their norms."""
+    norms = b[:, 1].sqrt()
+    return bool(((a[:, 2] - b[:, 2]).abs() <= 4e-6 * norms).all() and ((a[:, 1].sqrt() - norms).abs() <= 4e-6 * norms).all())
+
+
+def digest_of(tensors: list[torch.Tensor]) -> tuple[float, float]:
+    """The float64 sum and sum of squares of ``tensors``, a chunk at a time (float64 copies of
+    a chunk only)."""
+    parts = [part for x in tensors for part in x.split(DIGEST_CHUNK)]
+    return (sum(float(part.sum(dtype=torch.float64)) for part in parts),
+            sum(float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2 for part in parts))

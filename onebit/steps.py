@@ -18,7 +18,7 @@ import torch
 
 from .buckets import Bucket, all_finite, build_keep_mask, grads_of
 from .collectives import finish_, start_server_, start_worker_
-from .health import HEALTH_CHECK_INTERVAL, error_ratio
+from .health import HEALTH_CHECK_INTERVAL, chunk_digests, digest_of, digests_match, error_ratio
 from .plan import StepPlan
 from .rounds import Round, fingerprint
 
@@ -121,7 +121,7 @@ class Steps:
                 with self._timed("gather_grads"):
                     grads = grads_of(bucket, True, None)
             if r.check_double:  # (digests of this rank's gradients: the all-reduce overwrites them)
-                r.local[id(bucket)] = _chunk_digests(bucket.wire()[:bucket.numel])
+                r.local[id(bucket)] = chunk_digests(bucket.wire()[:bucket.numel])
             r.pending[id(bucket)] = self._backend.start_all_reduce_mean_(bucket.wire_to_send(self._wire_dtype()))
         elif compressed:
             grads = grads_of(bucket, False, None) if grads is None else grads
@@ -345,17 +345,17 @@ class Steps:
         """A framework that averages gradients itself (DDP, Lightning, Accelerate, the DeepSpeed
         engine) hands every rank the same gradients: this optimizer's average of them is then what
         each rank had already. Said (or raised, with ``divergence='raise'``) once. ``local``: each
-        bucket's :func:`_chunk_digests` of this rank's gradients, taken before the average
-        overwrote them (no copy of them is kept), compared with the average's to about 1e-6 of
-        their norm (:func:`_digests_match`, as the elementwise comparison before it). Each rank
-        decides alone, as before: the averages are the same on every rank, and a rank's own
+        bucket's :func:`onebit.health.chunk_digests` of this rank's gradients, taken before the
+        average overwrote them (no copy of them is kept), compared with the average's to about 1e-6
+        of their norm (:func:`onebit.health.digests_match`, as the elementwise comparison before
+        it). Each rank decides alone, as before: the averages are the same on every rank, and a rank's own
         gradients equal them when every rank's do (or, by chance, when its own are the mean). With
         ``reduce_dtype`` the averages come back rounded: :meth:`_same_on_every_rank` decides."""
         averaged = [bucket.wire()[:bucket.numel] for bucket in reduced]
         if not any(bool(part.any()) for a in averaged for part in a.split(_CHUNK)):
             return  # no gradient at all: nothing to tell
         if self._wire_dtype() is None:
-            same = all(_digests_match(_chunk_digests(a), x) for x, a in zip(local, averaged))
+            same = all(digests_match(chunk_digests(a), x) for x, a in zip(local, averaged))
         else:
             both = torch.cat(local).sum(0).tolist()
             same = self._same_on_every_rank(digest=(both[0], both[1]))
@@ -387,13 +387,13 @@ class Steps:
 
     def _same_on_every_rank(self, local: list[torch.Tensor] | None = None, anywhere: bool = False,
                             digest: tuple[float, float] | None = None) -> bool | tuple[bool, bool]:
-        """Whether every rank had the same gradients ``local`` (or the :func:`_digest` of them), for
-        :meth:`_double_check` and :meth:`_check_unaveraged`: each rank's sum and sum of squares, and
-        their squares, are averaged in float64 (one 32-byte all-reduce, on these few steps only):
-        zero variance across ranks, decided from the same numbers on every rank (an average that
-        ``reduce_dtype`` rounded could not be compared with a rank's own, nor need a copy of them be
-        kept). ``anywhere``: also whether some rank has a gradient that is not 0."""
-        s1, s2 = _digest(local) if digest is None else digest
+        """Whether every rank had the same gradients ``local`` (or their
+        :func:`onebit.health.digest_of`), for :meth:`_double_check` and :meth:`_check_unaveraged`:
+        each rank's sum and sum of squares, and their squares, are averaged in float64 (one 32-byte
+        all-reduce, on these few steps only): zero variance across ranks, decided from the same
+        numbers on every rank (an average that ``reduce_dtype`` rounded could not be compared with
+        a rank's own, nor need a copy of them be kept). ``anywhere``: also whether some rank has a gradient that is not 0."""
+        s1, s2 = digest_of(local) if digest is None else digest
         digest = torch.tensor([s1, s2, s1 * s1, s2 * s2], dtype=torch.float64, device=self._device())
         m1, m2, q1, q2 = self._backend.all_reduce_mean_(digest).tolist()
         same = all(q - m * m <= 1e-12 * q for m, q in ((m1, q1), (m2, q2)))
@@ -460,44 +460,6 @@ class Steps:
         index = {id(p): i for i, p in enumerate(group["params"])}
         return [(value, names[index[id(p)]] if names else f"parameter {index[id(p)]} of group {bucket.group_index} "
                  f"(shape {tuple(p.shape)})") for value, p in zip(steps.tolist(), bucket.owners)]
-
-
-_SIGNS: dict[torch.device, torch.Tensor] = {}
-
-
-def _signs(device: torch.device) -> torch.Tensor:
-    """A fixed pattern of ``_CHUNK`` random signs (float32 +-1) on ``device``."""
-    signs = _SIGNS.get(device)
-    if signs is None:
-        gen = torch.Generator().manual_seed(0)
-        signs = _SIGNS[device] = (torch.randint(0, 2, (_CHUNK,), generator=gen) * 2 - 1).float().to(device)
-    return signs
-
-
-def _chunk_digests(x: torch.Tensor) -> torch.Tensor:
-    """Per chunk of ``_CHUNK`` elements of flat ``x``, in float64: its sum, its sum of squares and
-    its sum with the fixed random signs of :func:`_signs` (``(k, 3)``, on the CPU; one transfer)."""
-    signs = _signs(x.device)
-    rows = [torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64) ** 2,
-                         torch.mul(p, signs[:p.numel()]).sum(dtype=torch.float64)]) for p in x.split(_CHUNK)]
-    return torch.stack(rows).cpu() if rows else torch.zeros(0, 3, dtype=torch.float64)
-
-
-def _digests_match(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the tensors of :func:`_chunk_digests` ``a`` and ``b`` are equal to about 1e-6 of
-    their size, chunk by chunk: their signed sums differ by at most ``4e-6`` of the chunk's L2 norm
-    (a difference ``d`` moves the signed sum by about ``|d|``, not cancelling as in plain sums; the
-    average of equal gradients differs from them in the last bits), as do their norms."""
-    norms = b[:, 1].sqrt()
-    return bool(((a[:, 2] - b[:, 2]).abs() <= 4e-6 * norms).all() and ((a[:, 1].sqrt() - norms).abs() <= 4e-6 * norms).all())
-
-
-def _digest(tensors: list[torch.Tensor]) -> tuple[float, float]:
-    """The float64 sum and sum of squares of ``tensors``, a chunk at a time (float64 copies of
-    a chunk only)."""
-    parts = [part for x in tensors for part in x.split(_CHUNK)]
-    return (sum(float(part.sum(dtype=torch.float64)) for part in parts),
-            sum(float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2 for part in parts))
 
 
 def _into(multipliers: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:

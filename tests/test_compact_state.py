@@ -121,43 +121,50 @@ def _codec_calls(kernels, error_dtype, segments, codec, in_place, gen, multiplie
     return [scales, packed, new, server_scales, server_packed, server]
 
 
-@pytest.mark.parametrize("scalar", [False, True], ids=["vector", "scalar"])
-def test_the_native_cpu_kernels_give_the_reference_bits(scalar):
+def _native_kernels():
+    from onebit.kernels import cpu
+    try:
+        return cpu.load()
+    except (RuntimeError, OSError) as exc:
+        pytest.skip(f"no C++ compiler: {exc}")
+
+
+@pytest.fixture(params=[False, True], ids=["vector", "scalar"])
+def native(request):
+    """The native CPU kernels on their AVX2 paths, then on their portable ones."""
+    kernels = _native_kernels()
+    kernels.force_scalar(request.param)
+    yield kernels
+    kernels.force_scalar(False)
+
+
+def test_the_native_cpu_kernels_give_the_reference_bits(native):
     """The CPU kernels read and write bfloat16 errors themselves (AVX2 and portable paths), and a
     kernel set of float32 errors only (the CUDA kernels) runs them through a float32 copy: both
     give the reference's bits, with one segment or several, a multiplier and a limit, in place or not."""
-    from onebit.kernels import cpu
-    try:
-        native = cpu.load()
-    except (RuntimeError, OSError) as exc:
-        pytest.skip(f"no C++ compiler: {exc}")
-    native.force_scalar(scalar)
-    try:
-        wide_only = dataclasses.replace(native.kernel_set(), error_dtypes=(torch.float32,))
-        for segments in (1, 2):
-            for codec in (None, "multiplier", "limit"):
-                for in_place in (True, False):
-                    expected = _codec_calls(reference_kernels(), torch.bfloat16, segments, codec, in_place,
-                                            torch.Generator().manual_seed(5))
-                    got = _codec_calls(native, torch.bfloat16, segments, codec, in_place,
-                                       torch.Generator().manual_seed(5))
-                    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, expected)), \
-                        (segments, codec, in_place)
-            for staged in (False, True):
-                states = []
-                for kernels in (wide_only, reference_kernels()):
-                    state = CompressionState(128, 1, "cpu", error_dtype=torch.bfloat16)
-                    state.worker_error.copy_(torch.randn(128, generator=torch.Generator().manual_seed(2)) * 0.1)
-                    x = torch.randn(128, generator=torch.Generator().manual_seed(3))
-                    state._codec(kernels, "worker", staged, lambda error, out, state=state, kernels=kernels, x=x:
-                                 kernels.worker_compress_(x, error, state.send[:, :16], **out))
-                    states.append(state)
-                a, b = states
-                assert torch.equal(a.send, b.send)
-                got = [a.next_worker_error, b.next_worker_error] if staged else [a.worker_error, b.worker_error]
-                assert torch.equal(got[0], got[1]) and got[0].dtype == torch.bfloat16
-    finally:
-        native.force_scalar(False)
+    wide_only = dataclasses.replace(native.kernel_set(), error_dtypes=(torch.float32,))
+    for segments in (1, 2):
+        for codec in (None, "multiplier", "limit"):
+            for in_place in (True, False):
+                expected = _codec_calls(reference_kernels(), torch.bfloat16, segments, codec, in_place,
+                                        torch.Generator().manual_seed(5))
+                got = _codec_calls(native, torch.bfloat16, segments, codec, in_place,
+                                   torch.Generator().manual_seed(5))
+                assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, expected)), \
+                    (segments, codec, in_place)
+        for staged in (False, True):
+            states = []
+            for kernels in (wide_only, reference_kernels()):
+                state = CompressionState(128, 1, "cpu", error_dtype=torch.bfloat16)
+                state.worker_error.copy_(torch.randn(128, generator=torch.Generator().manual_seed(2)) * 0.1)
+                x = torch.randn(128, generator=torch.Generator().manual_seed(3))
+                state._codec(kernels, "worker", staged, lambda error, out, state=state, kernels=kernels, x=x:
+                             kernels.worker_compress_(x, error, state.send[:, :16], **out))
+                states.append(state)
+            a, b = states
+            assert torch.equal(a.send, b.send)
+            got = [a.next_worker_error, b.next_worker_error] if staged else [a.worker_error, b.worker_error]
+            assert torch.equal(got[0], got[1]) and got[0].dtype == torch.bfloat16
 
 
 def _decode_calls(kernels, divisor_dtype, gen, keep: bool):
@@ -174,35 +181,25 @@ def _decode_calls(kernels, divisor_dtype, gen, keep: bool):
     return out
 
 
-@pytest.mark.parametrize("scalar", [False, True], ids=["vector", "scalar"])
-def test_the_native_cpu_kernels_take_a_bfloat16_multiplier_and_a_divisor(scalar):
+def test_the_native_cpu_kernels_take_a_bfloat16_multiplier_and_a_divisor(native):
     """The worker's multiplier in bfloat16 (read exactly), and decode's divisor (float32 or
     bfloat16; +0.0 where it is 0): the reference's bits on the AVX2 and the portable paths."""
-    from onebit.kernels import cpu
-    try:
-        native = cpu.load()
-    except (RuntimeError, OSError) as exc:
-        pytest.skip(f"no C++ compiler: {exc}")
-    native.force_scalar(scalar)
-    try:
-        for error_dtype in (torch.float32, torch.bfloat16):
-            for codec in ("multiplier", "limit"):
-                gen = torch.Generator().manual_seed(11)
-                expected = _codec_calls(reference_kernels(), error_dtype, 2, codec, True, gen, torch.bfloat16)
-                gen = torch.Generator().manual_seed(11)
-                got = _codec_calls(native, error_dtype, 2, codec, True, gen, torch.bfloat16)
-                assert all(torch.equal(a, b) for a, b in zip(got, expected)), (error_dtype, codec)
-        for divisor_dtype in (torch.float32, torch.bfloat16):
-            for keep in (False, True):
-                expected = _decode_calls(reference_kernels(), divisor_dtype, torch.Generator().manual_seed(4), keep)
-                got = _decode_calls(native, divisor_dtype, torch.Generator().manual_seed(4), keep)
-                assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (divisor_dtype, keep)
-                assert bool((expected == 0).any()) and not bool(expected.isnan().any())
-        with pytest.raises(ValueError, match="a multiplier or a divisor, not both"):
-            native.decode_(torch.zeros(1, 2, dtype=torch.uint8), torch.ones(1), torch.zeros(16),
-                           multiplier=torch.ones(16), divisor=torch.ones(16))
-    finally:
-        native.force_scalar(False)
+    for error_dtype in (torch.float32, torch.bfloat16):
+        for codec in ("multiplier", "limit"):
+            gen = torch.Generator().manual_seed(11)
+            expected = _codec_calls(reference_kernels(), error_dtype, 2, codec, True, gen, torch.bfloat16)
+            gen = torch.Generator().manual_seed(11)
+            got = _codec_calls(native, error_dtype, 2, codec, True, gen, torch.bfloat16)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), (error_dtype, codec)
+    for divisor_dtype in (torch.float32, torch.bfloat16):
+        for keep in (False, True):
+            expected = _decode_calls(reference_kernels(), divisor_dtype, torch.Generator().manual_seed(4), keep)
+            got = _decode_calls(native, divisor_dtype, torch.Generator().manual_seed(4), keep)
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (divisor_dtype, keep)
+            assert bool((expected == 0).any()) and not bool(expected.isnan().any())
+    with pytest.raises(ValueError, match="a multiplier or a divisor, not both"):
+        native.decode_(torch.zeros(1, 2, dtype=torch.uint8), torch.ones(1), torch.zeros(16),
+                       multiplier=torch.ones(16), divisor=torch.ones(16))
 
 
 def test_lamb_with_a_bfloat16_preconditioner_takes_either_trust_ratio():
@@ -221,11 +218,7 @@ def test_lamb_with_a_bfloat16_preconditioner_takes_either_trust_ratio():
 
 
 def test_a_float16_error_is_refused_by_the_kernels():
-    from onebit.kernels import cpu
-    try:
-        native = cpu.load()
-    except (RuntimeError, OSError) as exc:
-        pytest.skip(f"no C++ compiler: {exc}")
+    native = _native_kernels()
     with pytest.raises(ValueError, match="an error of torch.float32 or torch.bfloat16, got torch.float32 and torch.float16"):
         native.worker_compress_(torch.zeros(16), torch.zeros(16, dtype=torch.float16), torch.zeros(2, dtype=torch.uint8))
 
@@ -325,12 +318,12 @@ def test_the_double_average_digests_tell_equal_gradients_from_close_ones():
     """The first steps keep digests of a rank's gradients, not a copy: the average of equal
     gradients matches them (on 3 ranks: rounded in its last bits); gradients 1e-4 apart, whose
     plain sums and norms would agree within 1e-6, do not match."""
-    from onebit.steps import _chunk_digests, _digests_match
+    from onebit.health import chunk_digests, digests_match
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(600_000, generator=gen)
-    assert _digests_match(_chunk_digests((g + g + g) / 3), _chunk_digests(g))
+    assert digests_match(chunk_digests((g + g + g) / 3), chunk_digests(g))
     d = torch.randn(600_000, generator=gen) * 1e-4 * float(g.abs().mean())
     for local in (g + d, g - d):
-        assert not _digests_match(_chunk_digests(g), _chunk_digests(local))
-    assert not _digests_match(_chunk_digests(torch.zeros_like(g)), _chunk_digests(g))
-    assert _digests_match(_chunk_digests(torch.zeros(10)), _chunk_digests(torch.zeros(10)))
+        assert not digests_match(chunk_digests(g), chunk_digests(local))
+    assert not digests_match(chunk_digests(torch.zeros_like(g)), chunk_digests(g))
+    assert digests_match(chunk_digests(torch.zeros(10)), chunk_digests(torch.zeros(10)))
