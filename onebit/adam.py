@@ -64,8 +64,11 @@ class OnebitAdam(FrozenVarianceOptimizer):
         preconditioner_dtype: ``torch.float32`` (default): the frozen ``d`` and ``1 / d`` held in
             float32 (8 bytes per parameter). ``torch.bfloat16`` (``"bfloat16"`` in config files):
             ``1 / d`` alone, rounded once to bfloat16 (2 bytes): the codec multiplies by it, the
-            decoded average is divided by it, and the update is ``m * (1 / d)``. The variance itself
-            stays float32 (state dicts unchanged). See ``docs/guides/tuning.md``.
+            decoded average is divided by it, and the update is ``m * (1 / d)``. Once compression
+            starts, ``1 / d`` is the compressed groups' state: their frozen variance is released
+            (4 bytes per parameter) and derived again from ``1 / d`` where it is needed (the state
+            dict holds ``exp_avg_sq`` as usual, which loads back into the same ``1 / d``, bit for
+            bit; it is the variance to bfloat16's precision). See ``docs/guides/tuning.md``.
         **options: the keyword-only options of every onebit optimizer (transport, masks, buckets,
             scale blocks, non-finite gradients, divergence, kernels): see
             :class:`onebit.engine.OnebitOptimizer`.
@@ -73,6 +76,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
 
     STATE: ClassVar[StateSpec] = dataclasses.replace(
         FrozenVarianceOptimizer.STATE, group_keys=("lr", "betas", "eps", "weight_decay", "bias_correction"))
+    _VARIANCE_RELEASED: ClassVar[bool] = True
     CONFIG_TYPE: ClassVar[str] = "OneBitAdam"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
 

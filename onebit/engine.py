@@ -382,6 +382,15 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     def _forget(self) -> None:
         """Drop what the algorithm derived from the state (its caches; see :meth:`_invalidate`)."""
 
+    def _bring_back(self) -> None:
+        """Put back in the buckets and the state every buffer the algorithm released and holds in
+        another form (before the state is read from outside a step: a new layout)."""
+
+    def _released_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """The released buffers as the state dict holds them: ``{param: {name: tensor}}`` (fresh
+        tensors shaped like each parameter's local shard)."""
+        return {}
+
     # ----------------------------------------------------------------- construction
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

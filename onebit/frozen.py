@@ -63,10 +63,15 @@ class _Frozen:
     flat: torch.Tensor | None  # d = sqrt(v / bc2) + eps over the padded buffer (float32; None in bfloat16)
     views: list[torch.Tensor]  # its per-parameter views (of the inverse in bfloat16)
     inverse: torch.Tensor | None = None  # 1 / d, 0 where the momentum is kept 0
+    held: bool = False  # the state itself, the variance released (bfloat16 1 / d: FrozenDenominator.hold)
 
 
 #: Elements of ``d`` derived at a time for a bfloat16 preconditioner (its float32 temporaries)
 _CHUNK = 1 << 20
+
+#: The variance a bfloat16 ``1 / d`` stands for is at least float32's smallest subnormal where
+#: ``1 / d`` is not 0 (below ``eps``'s resolution a smaller one would read as a zero variance)
+_SMALLEST = 2.0**-149
 
 
 class FrozenDenominator:
@@ -87,7 +92,9 @@ class FrozenDenominator:
 
     def _current(self, bucket: Bucket, eps: float, bc2: float) -> _Frozen | None:
         entry = self._entries.get(bucket)
-        return entry if entry is not None and entry.key == (eps, bc2) and entry.version == bucket.version else None
+        if entry is None or entry.key != (eps, bc2):
+            return None
+        return entry if entry.held or entry.version == bucket.version else None  # (a held one is the state)
 
     def get(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> _Frozen:
         """``d`` (float32 only)."""
@@ -117,15 +124,48 @@ class FrozenDenominator:
             raise RuntimeError("a float32 preconditioner holds d and 1 / d: use preconditioner() or get()")
         entry = self._current(bucket, eps, bc2)
         if entry is None:
-            v, mask = bucket.buffers["exp_avg_sq"], bucket.mask
+            held = self.held(bucket)  # (another eps: derived again from the variance the held 1 / d stands for)
+            v, mask = self.variance(bucket) if held else bucket.buffers["exp_avg_sq"], bucket.mask
             inverse = torch.empty_like(v, dtype=self.dtype)
             for start in range(0, v.numel(), _CHUNK):
                 part = slice(start, start + _CHUNK)
                 d = F.adam_denominator_(torch.empty_like(v[part]), v[part], eps, bc2)
                 still = F.kept_still(v[part], None if mask is None else mask[part])
                 inverse[part].copy_(torch.reciprocal(d).masked_fill_(still, 0.0))
-            entry = self._entries[bucket] = _Frozen((eps, bc2), bucket.version, None, bucket.view(inverse), inverse)
+            entry = self._entries[bucket] = _Frozen((eps, bc2), bucket.version, None, bucket.view(inverse), inverse,
+                                                    held)
         return entry
+
+    def hold(self, bucket: Bucket, eps: float, bc2: float) -> None:
+        """Make the bfloat16 ``1 / d`` of ``bucket`` the state itself: the caller releases the
+        variance, which :meth:`variance` gives back when needed (a state dict, a new layout)."""
+        self.inverse(bucket, eps, bc2).held = True
+
+    def held(self, bucket: Bucket) -> bool:
+        entry = self._entries.get(bucket)
+        return entry is not None and entry.held
+
+    def held_inverse(self, bucket: Bucket) -> torch.Tensor:
+        """The held ``1 / d`` (flat, bfloat16)."""
+        return self._entries[bucket].inverse
+
+    def variance(self, bucket: Bucket, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The frozen variance that the held ``1 / d`` of ``bucket`` stands for (flat, float32, into
+        ``out`` if given): ``v = (1 / inv - eps)**2 * bc2`` in float64, at least :data:`_SMALLEST`
+        and at most float32's largest; 0 where ``1 / d`` is 0 (a variance of 0, a mask, the
+        padding). Derived again (:meth:`inverse`), it gives the same ``1 / d``, bit for bit: the
+        state dict of a held bucket resumes exactly (``tests/test_compact_state.py`` checks every
+        float32 exponent for several ``eps`` and ``bc2``)."""
+        entry = self._entries[bucket]
+        eps, bc2 = entry.key
+        inverse = entry.inverse
+        v = torch.empty(inverse.shape, dtype=torch.float32, device=inverse.device) if out is None else out
+        for start in range(0, inverse.numel(), _CHUNK):
+            part = inverse[start:start + _CHUNK]
+            root = torch.reciprocal(part.double()).sub_(eps).clamp_(min=0.0)
+            wide = root.mul_(root).mul_(bc2).clamp_(min=_SMALLEST, max=_FLOAT32_MAX)
+            v[start:start + _CHUNK].copy_(wide.masked_fill_(part == 0, 0.0))
+        return v
 
     def forget(self) -> None:
         self._entries.clear()
@@ -154,6 +194,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset({COMPRESSION.name})
     STATE: ClassVar[StateSpec] = StateSpec(buffers=("exp_avg", "exp_avg_sq"), nonnegative=("exp_avg_sq",),
                                            masked="exp_avg", schedule=SCHEDULE)
+    #: Whether nothing but ``1 / d`` is read from the frozen variance in compression (see :meth:`_releases_variance`)
+    _VARIANCE_RELEASED: ClassVar[bool] = False
 
     def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int | str, compression_space: str = "preconditioned",
                  freeze_bounds: tuple[int, int | None] | None = None, update_bound: float | str | None = "auto",
@@ -231,11 +273,24 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                 logger.info("onebit: step %d: freeze_step='auto' makes this the last warmup step (%s)", t, reason)
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.buffers["exp_avg_sq"] == 0
+        if "exp_avg_sq" in bucket.buffers:
+            return bucket.buffers["exp_avg_sq"] == 0
+        dead = self._frozen_denominator.held_inverse(bucket) == 0  # (the variance released: 1 / d is 0 there)
+        return dead if bucket.mask is None else dead.logical_and_(bucket.mask != 0)
+
+    def _releases_variance(self) -> bool:
+        """Whether the compressed buckets' frozen variance is released once compression starts, its
+        bfloat16 ``1 / d`` (2 B/param) held instead of it (4 B/param): a bfloat16 preconditioner,
+        in an algorithm that needs nothing else from the frozen variance (``_VARIANCE_RELEASED``)."""
+        return self._VARIANCE_RELEASED and self.preconditioner_dtype != torch.float32
 
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         for bucket in buckets:
             bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
+            if self._releases_variance() and "exp_avg_sq" in bucket.buffers:
+                group = self.param_groups[bucket.group_index]
+                self._frozen_denominator.hold(bucket, group["eps"], self._frozen_bc2(group))
+                self._release(bucket, "exp_avg_sq")
         if self._speaks:
             what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
             logger.info(
@@ -304,7 +359,25 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         return F.bias_corrections(self.freeze_step, self.freeze_step, *group["betas"],
                                   group.get("bias_correction", False))[1]
 
+    def _bring_back(self) -> None:
+        """The variance of every bucket that released it, derived again from its held ``1 / d``,
+        back in the bucket and the state (:meth:`FrozenDenominator.variance`)."""
+        for bucket in self._buckets:
+            if self._frozen_denominator.held(bucket) and "exp_avg_sq" not in bucket.buffers:
+                self._allocate(bucket, "exp_avg_sq")
+                self._frozen_denominator.variance(bucket, out=bucket.buffers["exp_avg_sq"])
+
+    def _released_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """A released variance as the state dict holds it: derived again from the held ``1 / d``."""
+        saved: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for bucket in self._buckets:
+            if self._frozen_denominator.held(bucket) and "exp_avg_sq" not in bucket.buffers:
+                views = bucket.view(self._frozen_denominator.variance(bucket))
+                saved.update({p: {"exp_avg_sq": view} for p, view in zip(bucket.owners, views)})
+        return saved
+
     def _forget(self) -> None:
+        self._bring_back()  # (a load has put it back already: what it loaded stays)
         self._frozen_denominator.forget()
 
 

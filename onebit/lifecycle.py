@@ -95,6 +95,7 @@ class Lifecycle:
         cost no bytes. Every parameter keeps its state: in a bucket, or, once frozen, as tensors
         of its own until it trains again; a newcomer starts from zeros. The compression errors
         start afresh (their layout changed) and the ranks check the new layout at this step."""
+        self._bring_back()
         saved = {p: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
                  for p, entry in self.state.items() if isinstance(p, torch.Tensor)}
         for bucket in self._buckets:

@@ -94,8 +94,10 @@ def _own_entry(spec: StateSpec, p: torch.Tensor, entry: Mapping[str, Any]) -> di
 
 
 def build_state_dict(spec: StateSpec, meta: Mapping[str, Any], groups: list[dict[str, Any]],
-                     state: Mapping[Any, Any]) -> dict[str, Any]:
-    """The state dict of ``groups`` and ``state``; ``meta``: the algorithm, step and schedule."""
+                     state: Mapping[Any, Any], released: Mapping[Any, Mapping[str, torch.Tensor]] | None = None
+                     ) -> dict[str, Any]:
+    """The state dict of ``groups`` and ``state``; ``meta``: the algorithm, step and schedule;
+    ``released``: buffers the algorithm holds in another form, as saved (fresh tensors)."""
     meta = {"format_version": FORMAT_VERSION, **meta}
     index_of: dict[int, int] = {}
     saved_groups = []
@@ -117,6 +119,8 @@ def build_state_dict(spec: StateSpec, meta: Mapping[str, Any], groups: list[dict
             name: (like_param(value.clone(), key) if name in spec.buffers else float(value)) if name in spec.owned
             else value for name, value in entry.items()
         }
+        if released and key in released:
+            saved_state[index_of[id(key)]].update({name: like_param(value, key) for name, value in released[key].items()})
     return {"state": saved_state, "param_groups": saved_groups}
 
 
@@ -388,6 +392,8 @@ def apply_state(spec: StateSpec, loaded: LoadedState, groups: list[dict[str, Any
         present = entry_of[id(bucket.owners[0])]
         for name in spec.lazy:
             (allocate_lazy if name in present else release_lazy)(state, bucket, name)
+        for name in spec.eager:  # released by the algorithm (held in another form): the load puts it back
+            allocate_lazy(state, bucket, name)
     in_buckets = {id(p) for bucket in buckets for p in bucket.owners}
     index = 0
     for group, hyper in zip(groups, loaded.hyperparameters):
@@ -452,7 +458,7 @@ class StateDictContract:
     def _build_state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict` without its hooks."""
         meta = {"algorithm": type(self).__name__, "step": self._step, **self.STATE.schedule.save(self)}
-        return build_state_dict(self.STATE, meta, self.param_groups, self.state)
+        return build_state_dict(self.STATE, meta, self.param_groups, self.state, self._released_state())
 
     def state_dict(self) -> dict[str, Any]:
         """World-size independent state (see :mod:`onebit.state`): the step, each parameter's

@@ -135,11 +135,21 @@ def _state_copy(opt, p) -> dict[str, Any]:
             if k not in opt.STATE.shared_scalars}
 
 
-def _same_state(after: dict[str, Any], before: dict[str, Any]) -> bool:
+def _same_state(after: dict[str, Any], before: dict[str, Any], released: frozenset[str] = frozenset()) -> bool:
     """Every entry of ``before`` unchanged in ``after`` (which may hold the buffers of a phase that
-    began, e.g. 0/1 Adam's accumulator)."""
-    return before.keys() <= after.keys() and all(
-        torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in before.items())
+    began, e.g. 0/1 Adam's accumulator), but for the ``released`` ones, which a phase that began may
+    hold in another form (1-bit Adam's frozen variance with a bfloat16 preconditioner: what it holds
+    instead is checked in ``test_compact_state.py``)."""
+    kept = {k: v for k, v in before.items() if k not in released or k in after}
+    return kept.keys() <= after.keys() and all(
+        torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in kept.items())
+
+
+def _released(opt, p) -> frozenset[str]:
+    """The state buffers of ``p`` that ``opt`` holds in another form: in its state dict, not in its state."""
+    index = [id(q) for group in opt.param_groups for q in group["params"]].index(id(p))
+    return frozenset(name for name in opt.STATE.buffers
+                     if name not in opt.state[p] and name in opt.state_dict()["state"].get(index, {}))
 
 
 def _unlisted() -> list[str]:
@@ -190,7 +200,7 @@ def test_a_parameter_without_gradient_is_left_alone_with_its_state(case):
             alone_model[0].load_state_dict(model[0].state_dict())
         if t > 1:
             assert all_equal(clone_params(frozen), before[0]), (t, opt.plan_for(t).name)
-            assert all(_same_state(_state_copy(opt, p), s) for p, s in zip(frozen, before[1])), t
+            assert all(_same_state(_state_copy(opt, p), s, _released(opt, p)) for p, s in zip(frozen, before[1])), t
         assert all_equal(clone_params(live), clone_params(alone_model[2].parameters())), t
     assert plans == set(case.cls.PLAN_NAMES)
     assert _momentum(_entries(opt, frozen[0])).abs().sum() > 0  # it had state to keep
