@@ -25,10 +25,12 @@ codec (optional)       ``_codec_multipliers``, ``_codec_bound``: what the codec 
                        ``into``, clamped) and decodes (times ``out_of``); ``_STAGED_PLANS`` and
                        ``_decode_target``: plans whose input ``overlap_backward`` may start during
                        backward; ``_dead``, ``_on_compression``: coordinates kept 0 besides the masks
+                       (``_entering_compression``: before them)
 lifecycle (optional)   ``_check_group`` (hyperparameters of its own); ``_schedule_step`` (a schedule
                        decided from the state); ``_present``, ``_before_update``, ``_skipped_alone``
                        (parameters without a gradient, rank-local skips); ``_forget`` (drop its
-                       caches, see :meth:`OnebitOptimizer._invalidate`); ``_adopt`` (a parameter that
+                       caches, see :meth:`OnebitOptimizer._invalidate`); ``_bring_back`` and
+                       ``_released_state`` (buffers held in another form in a phase); ``_adopt`` (a parameter that
                        starts training, :mod:`onebit.lifecycle`); ``_synchronize`` and
                        ``replicas_identical`` (algorithms whose replicas differ between syncs)
 =====================  ========================================================================
@@ -347,6 +349,10 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         """Coordinates (bool over the padded buffer) whose compressed value is forced to 0 from the
         first compressed step on, besides the masks and the padding; None for none."""
         return None
+
+    def _entering_compression(self, buckets: list[Bucket]) -> None:
+        """Called before the keep masks of ``buckets`` are derived (see :meth:`_on_compression`):
+        what the earlier phase held and this one does not need can go first."""
 
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         """Called when the keep masks of ``buckets`` were derived (first compressed step, or the

@@ -284,9 +284,12 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         in an algorithm that needs nothing else from the frozen variance (``_VARIANCE_RELEASED``)."""
         return self._VARIANCE_RELEASED and self.preconditioner_dtype != torch.float32
 
+    def _entering_compression(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:  # (before the keep masks: the warmup's scratch is not the peak's too)
+            bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
+
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         for bucket in buckets:
-            bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
             if self._releases_variance() and "exp_avg_sq" in bucket.buffers:
                 group = self.param_groups[bucket.group_index]
                 self._frozen_denominator.hold(bucket, group["eps"], self._frozen_bc2(group))

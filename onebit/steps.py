@@ -75,6 +75,7 @@ class Steps:
         """The keep masks of the compressed buckets, at the first compressed step (or the first
         after a load): they read the state only."""
         if compressed and not all(b.derived.frozen_mask_ready for b in compressed):
+            self._entering_compression(compressed)
             kept = [build_keep_mask(b, self._dead(b)) for b in compressed]
             self._on_compression(compressed, [keep for keep, _ in kept], t, sum(dead for _, dead in kept))
 
