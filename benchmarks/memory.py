@@ -47,9 +47,11 @@ sys.path.insert(0, str(HERE))
 from local_ranks import run_local_ranks  # noqa: E402
 
 NAMES = ("Adam", "OnebitAdam", "OnebitLamb", "ZeroOneAdam", "OnebitDiLoCo")
-#: ``--compact``: the suffixes of a 1-bit optimizer's name that build it with compressed state, and
-#: the options they add (``compact``: 1-bit Adam and 1-bit LAMB only)
-VARIANTS = {" bf16 errors": {"error_dtype": torch.bfloat16},
+#: ``--compact``: the suffixes of a 1-bit optimizer's name that build it with a given state precision
+#: (the plain names: the defaults), and the options they add (``preconditioner_dtype``: 1-bit Adam
+#: and 1-bit LAMB only; ``float32`` and ``compact`` are measured for them alone)
+VARIANTS = {" float32": {"error_dtype": torch.float32, "preconditioner_dtype": torch.float32},
+            " bf16 errors": {"error_dtype": torch.bfloat16, "preconditioner_dtype": torch.float32},
             " compact": {"error_dtype": torch.bfloat16, "preconditioner_dtype": torch.bfloat16}}
 #: steps of each run: 4 of warmup (phase 1) for every schedule below, then 12 past it
 STEPS = 16
@@ -71,6 +73,8 @@ def build(name: str, params: list[torch.nn.Parameter], **options: Any) -> torch.
         return onebit.OnebitAdam(params, lr=1e-3, freeze_step=4, **backend)
     if name == "OnebitLamb":
         return onebit.OnebitLamb(params, lr=1e-3, freeze_step=4, **backend)
+    if name in ("ZeroOneAdam", "OnebitDiLoCo"):  # (no frozen preconditioner)
+        backend.pop("preconditioner_dtype", None)
     if name == "ZeroOneAdam":
         return onebit.ZeroOneAdam(params, lr=1e-3, var_freeze_step=8, var_update_scaler=1, local_step_scaler=2,
                                   local_step_clipper=4, **backend)
@@ -348,11 +352,13 @@ def _commit() -> str:
 
 
 def names(args: argparse.Namespace) -> list[str]:
-    """The optimizers measured: :data:`NAMES`, and with ``--compact`` each 1-bit one with bfloat16
-    errors, and 1-bit Adam and LAMB with their frozen preconditioner in bfloat16 too."""
+    """The optimizers measured, with their defaults: :data:`NAMES`; with ``--compact`` also 1-bit
+    Adam and LAMB with float32 state, each 1-bit one with bfloat16 errors, and 1-bit Adam and LAMB
+    with their frozen preconditioner in bfloat16 too."""
     if not args.compact:
         return list(NAMES)
-    return [*NAMES, *(name + " bf16 errors" for name in NAMES[1:]), "OnebitAdam compact", "OnebitLamb compact"]
+    return [*NAMES, "OnebitAdam float32", "OnebitLamb float32", *(name + " bf16 errors" for name in NAMES[1:]),
+            "OnebitAdam compact", "OnebitLamb compact"]
 
 
 def main() -> None:

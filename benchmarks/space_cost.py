@@ -42,10 +42,11 @@ OPTIMIZERS = {"adam": OnebitAdam, "lamb": OnebitLamb}
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
-    if args.compact:  # the defaults first; then the errors in bfloat16, and 1 / d alone in bfloat16 too; each space
-        errors = {"error_dtype": torch.bfloat16}
+    if args.compact:  # float32 state first; then the errors in bfloat16, and 1 / d alone in bfloat16 too; each space
+        wide = {"error_dtype": torch.float32, "preconditioner_dtype": torch.float32}
+        errors = {**wide, "error_dtype": torch.bfloat16}
         compact = {**errors, "preconditioner_dtype": torch.bfloat16}
-        return [("preconditioned", {}), ("preconditioned, bf16 errors", errors), ("preconditioned, compact", compact),
+        return [("preconditioned", wide), ("preconditioned, bf16 errors", errors), ("preconditioned, compact", compact),
                 ("momentum", {"compression_space": "momentum"}),
                 ("momentum, compact", {"compression_space": "momentum", **compact})]
     # "preconditioned" is the default: with update_bound="auto", i.e. m / d clamped at 1 in the codec's pass

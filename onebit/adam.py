@@ -61,7 +61,11 @@ class OnebitAdam(FrozenVarianceOptimizer):
             the default because it costs nothing measurable there). The clamp runs in the codec's
             pass that multiplies by ``1 / d`` (the CPU kernels'; a pass of its own with kernels
             that do not multiply as they read, e.g. CUDA's). Not saved in state dicts.
-        preconditioner_dtype: ``torch.float32`` (default): the frozen ``d`` and ``1 / d`` held in
+        preconditioner_dtype: ``"auto"`` (default): ``torch.bfloat16`` in the preconditioned
+            space, ``torch.float32`` in the momentum space (DeepSpeed's numerics exactly); with it
+            ``error_dtype="auto"`` holds the compression errors in bfloat16 too. Measured on BERT
+            (3 seeds, 2 settings): within 0.0011 of float32 state; 9.4 bytes per parameter after
+            the freeze instead of 22.4. ``torch.float32``: the frozen ``d`` and ``1 / d`` held in
             float32 (8 bytes per parameter). ``torch.bfloat16`` (``"bfloat16"`` in config files):
             ``1 / d`` alone, rounded once to bfloat16 (2 bytes): the codec multiplies by it, the
             decoded average is divided by it, and the update is ``m * (1 / d)``. Once compression
@@ -77,6 +81,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
     STATE: ClassVar[StateSpec] = dataclasses.replace(
         FrozenVarianceOptimizer.STATE, group_keys=("lr", "betas", "eps", "weight_decay", "bias_correction"))
     _VARIANCE_RELEASED: ClassVar[bool] = True
+    _COMPACT_BY_DEFAULT: ClassVar[bool] = True
     CONFIG_TYPE: ClassVar[str] = "OneBitAdam"
     DEEPSPEED_REFUSED: ClassVar[Mapping[str, str]] = DEEPSPEED_COMMON_REFUSED
 
@@ -93,7 +98,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
         compression_space: str = "preconditioned",
         freeze_bounds: tuple[int, int | None] | None = None,
         update_bound: float | str | None = "auto",
-        preconditioner_dtype: Any = None,
+        preconditioner_dtype: Any = "auto",
         **options: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)

@@ -153,11 +153,12 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
             ``attach_ddp``'s hook follows it. Not with ``comm_backend_name='mpi'`` (MPI has no
             bfloat16 sum: it would send float32). See ``docs/guides/tuning.md``.
         error_dtype: the type the compression errors (error feedback: a worker error of the
-            whole buffer and a server error of ``1/n`` of it) are held in: ``torch.float32``
-            (default) or ``torch.bfloat16`` (``"bfloat16"`` in config files): ``2 + 2/n`` bytes per
-            parameter on ``n`` ranks instead of ``4 + 4/n``. Each new error is rounded once to
-            bfloat16 (to nearest even); it is read back exactly. The bytes sent are the same. Not
-            with ``hierarchy``.
+            whole buffer and a server error of ``1/n`` of it) are held in: ``torch.float32`` or
+            ``torch.bfloat16`` (``"bfloat16"`` in config files): ``2 + 2/n`` bytes per parameter on
+            ``n`` ranks instead of ``4 + 4/n``. Each new error is rounded once to bfloat16 (to
+            nearest even); it is read back exactly. The bytes sent are the same. Not with
+            ``hierarchy``. ``"auto"`` (default): bfloat16 for OnebitAdam in the preconditioned
+            space (measured on BERT: ``docs/guides/tuning.md``), float32 otherwise.
 
     torch.optim's flags (``maximize``, ``foreach``, ``fused``, ``capturable``, ``differentiable``,
     ``amsgrad``, ``decoupled_weight_decay``) are taken, as keywords or in param groups, at the values
@@ -213,13 +214,13 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
         hierarchy_variant: str = "compressed",
         overlap_backward: bool = False,
         reduce_dtype: Any = None,
-        error_dtype: Any = None,
+        error_dtype: Any = "auto",
         **unknown: Any,
     ) -> None:
         self.reduce_dtype, torch_flags = self._check_options(
             unknown, comm_backend_name, backend, bucket_size, nonfinite_grads, divergence, scale_block_size, cuda_aware,
             hierarchy, hierarchy_variant, overlap_backward, reduce_dtype)
-        self.error_dtype = error_dtype_of(error_dtype, hierarchy)
+        self.error_dtype = error_dtype_of(error_dtype, hierarchy, self._auto_error_dtype())
         # torch.optim's flags at values that change nothing stay in the groups, as torch keeps them
         defaults = as_group({**defaults, **torch_flags, "compress": True})
         self._check_group(defaults)
@@ -384,6 +385,11 @@ class OnebitOptimizer(Steps, Lifecycle, StateDictContract, torch.optim.Optimizer
     def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """This rank skipped its update of a step that communicates nothing (non-finite local
         gradients) while the step counts: advance what must stay the same on every rank."""
+
+    def _auto_error_dtype(self) -> torch.dtype:
+        """What ``error_dtype="auto"`` holds the compression errors in (asked by the constructor,
+        before the buckets exist; float32 with ``hierarchy`` whatever it says)."""
+        return torch.float32
 
     def _forget(self) -> None:
         """Drop what the algorithm derived from the state (its caches; see :meth:`_invalidate`)."""

@@ -196,6 +196,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                                            masked="exp_avg", schedule=SCHEDULE)
     #: Whether nothing but ``1 / d`` is read from the frozen variance in compression (see :meth:`_releases_variance`)
     _VARIANCE_RELEASED: ClassVar[bool] = False
+    #: Whether ``"auto"`` holds the state in bfloat16 in the preconditioned space (see :meth:`_auto_dtype`)
+    _COMPACT_BY_DEFAULT: ClassVar[bool] = False
 
     def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int | str, compression_space: str = "preconditioned",
                  freeze_bounds: tuple[int, int | None] | None = None, update_bound: float | str | None = "auto",
@@ -231,7 +233,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         # "auto" or the bound given; resolved against the space in force (a checkpoint may restore another)
         self._bound_setting: float | str | None = update_bound
         self._unbounded: set[int] = set()  # the groups whose betas left update_bound nothing to clamp (said once)
-        self.preconditioner_dtype = preconditioner_dtype_of(preconditioner_dtype)
+        self.preconditioner_dtype = preconditioner_dtype_of(preconditioner_dtype, self._auto_dtype())
         self._frozen_denominator = FrozenDenominator(self.preconditioner_dtype)
         super().__init__(params, defaults, **options)
         if update_bound is not None and self._bound_given:
@@ -239,6 +241,17 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                 if F.adam_largest_ratio(*group["betas"]) is None:
                     raise ValueError(f"update_bound needs beta1**2 < beta2 (Adam's largest step is unbounded "
                                      f"otherwise), got betas {group['betas']}; pass update_bound=None")
+
+    def _auto_dtype(self) -> torch.dtype:
+        """``"auto"``'s ``preconditioner_dtype`` and ``error_dtype``: bfloat16 in the preconditioned
+        space where the numbers chose it (``_COMPACT_BY_DEFAULT``: 1-bit Adam, whose BERT runs
+        ended within 0.0011 of float32 state), float32 in the momentum space (DeepSpeed's numerics,
+        exactly). Decided at construction: a checkpoint that restores another space keeps it."""
+        compact = self._COMPACT_BY_DEFAULT and self.compression_space == "preconditioned"
+        return torch.bfloat16 if compact else torch.float32
+
+    def _auto_error_dtype(self) -> torch.dtype:
+        return self._auto_dtype()
 
     @property
     def update_bound(self) -> float | None:
@@ -290,10 +303,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
 
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
         for bucket in buckets:
-            if self._releases_variance() and "exp_avg_sq" in bucket.buffers:
-                group = self.param_groups[bucket.group_index]
-                self._frozen_denominator.hold(bucket, group["eps"], self._frozen_bc2(group))
-                self._release(bucket, "exp_avg_sq")
+            self._release_variance(bucket)
         if self._speaks:
             what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
             logger.info(
@@ -362,6 +372,13 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         return F.bias_corrections(self.freeze_step, self.freeze_step, *group["betas"],
                                   group.get("bias_correction", False))[1]
 
+    def _release_variance(self, bucket: Bucket) -> None:
+        """With :meth:`_releases_variance`: hold the compressed ``bucket``'s ``1 / d`` instead of its variance."""
+        if self._releases_variance() and "exp_avg_sq" in bucket.buffers:
+            group = self.param_groups[bucket.group_index]
+            self._frozen_denominator.hold(bucket, group["eps"], self._frozen_bc2(group))
+            self._release(bucket, "exp_avg_sq")
+
     def _bring_back(self) -> None:
         """The variance of every bucket that released it, derived again from its held ``1 / d``,
         back in the bucket and the state (:meth:`FrozenDenominator.variance`)."""
@@ -382,6 +399,10 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _forget(self) -> None:
         self._bring_back()  # (a load has put it back already: what it loaded stays)
         self._frozen_denominator.forget()
+        if self.freeze_step is not None and self._step > self.freeze_step:  # past the switch: released again now
+            for bucket in self._buckets:
+                if bucket.compression is not None:
+                    self._release_variance(bucket)
 
 
 def _pair(bounds: Any) -> tuple[Any, Any]:

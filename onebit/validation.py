@@ -224,30 +224,36 @@ def reduce_dtype_of(value: Any) -> torch.dtype | None:
         "torch.bfloat16 (half the bytes; float16 is not offered: gradients above 65504 would overflow)")
 
 
-def error_dtype_of(value: Any, hierarchy: Any = None) -> torch.dtype:
-    """``error_dtype``: ``None`` or ``torch.float32`` (the default) or ``torch.bfloat16``; a config
-    file's ``"float32"`` / ``"bfloat16"`` name them. Not bfloat16 with ``hierarchy``."""
+def error_dtype_of(value: Any, hierarchy: Any = None, auto: torch.dtype = torch.float32) -> torch.dtype:
+    """``error_dtype``: ``"auto"`` (the default: ``auto``, the algorithm's choice; float32 with
+    ``hierarchy``), ``None`` or ``torch.float32``, or ``torch.bfloat16``; a config file's
+    ``"float32"`` / ``"bfloat16"`` name them. Not bfloat16 with ``hierarchy``."""
+    if isinstance(value, str) and value == "auto":
+        return torch.float32 if hierarchy is not None else auto
     dtype = REDUCE_DTYPES.get(value, value) if isinstance(value, str) else value
     if value is None or dtype is torch.float32:
         return torch.float32
     if dtype is not torch.bfloat16:
         raise ValueError(
-            f"invalid error_dtype: {value!r}; it must be torch.float32 (the default) or torch.bfloat16 (compression "
-            "errors in half the memory; float16 is not offered: its range is too small for errors of large values)")
+            f"invalid error_dtype: {value!r}; it must be 'auto' (the default), torch.float32 or torch.bfloat16 "
+            "(compression errors in half the memory; float16 is not offered: its range is too small for errors of "
+            "large values)")
     if hierarchy is not None:
         raise ValueError(f"error_dtype={value!r} does not work with hierarchy={hierarchy!r} yet (its error feedbacks "
                          "are float32); pass one of them")
     return dtype
 
 
-def preconditioner_dtype_of(value: Any) -> torch.dtype:
-    """``preconditioner_dtype``: ``None`` or ``torch.float32`` (the default) or ``torch.bfloat16``;
-    a config file's ``"float32"`` / ``"bfloat16"`` name them."""
+def preconditioner_dtype_of(value: Any, auto: torch.dtype = torch.float32) -> torch.dtype:
+    """``preconditioner_dtype``: ``"auto"`` (``auto``, the algorithm's choice), ``None`` or
+    ``torch.float32``, or ``torch.bfloat16``; a config file's ``"float32"`` / ``"bfloat16"`` name them."""
+    if isinstance(value, str) and value == "auto":
+        return auto
     dtype = REDUCE_DTYPES.get(value, value) if isinstance(value, str) else value
     if value is None or dtype is torch.float32:
         return torch.float32
     if dtype is not torch.bfloat16:
-        raise ValueError(f"invalid preconditioner_dtype: {value!r}; it must be torch.float32 (the default: d and 1 / d "
+        raise ValueError(f"invalid preconditioner_dtype: {value!r}; it must be 'auto', torch.float32 (d and 1 / d "
                          "held in float32) or torch.bfloat16 (1 / d alone, in bfloat16: a quarter of the memory)")
     return dtype
 

@@ -42,6 +42,9 @@ def _grads(model: torch.nn.Module, t: int) -> None:
 
 
 def _run(cls, schedule, extra, steps=STEPS, round_errors=False, **kwargs):
+    kwargs.setdefault("error_dtype", torch.float32)  # (not "auto": the defaults are compact in places)
+    if cls is OnebitAdam:
+        kwargs.setdefault("preconditioner_dtype", torch.float32)
     model = tiny_mlp(6, 16, 3)
     opt = cls(model.parameters(), lr=1e-2, comm_backend_name="local", weight_decay=0.01, **schedule, **extra,
               **kwargs)
@@ -244,14 +247,15 @@ def test_exact_resume_and_loads_across_precisions():
         for p, v in zip(fresh.parameters(), saved["params"]):
             p.copy_(v)
     again = OnebitAdam(fresh.parameters(), lr=1e-2, comm_backend_name="local", weight_decay=0.01, freeze_step=3,
-                       error_dtype="bfloat16")
+                       error_dtype="bfloat16", preconditioner_dtype=torch.float32)
     again.restore(saved["state"], saved["errors"])
     for t in range(7, 11):
         _grads(fresh, t)
         again.step()
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), expected))
 
-    wide = OnebitAdam(tiny_mlp(6, 16, 3).parameters(), lr=1e-2, comm_backend_name="local", freeze_step=3)
+    wide = OnebitAdam(tiny_mlp(6, 16, 3).parameters(), lr=1e-2, comm_backend_name="local", freeze_step=3,
+                      error_dtype=torch.float32)
     wide.restore(saved["state"], saved["errors"])
     assert all(w.dtype == torch.float32 and torch.equal(w, sw.float()) for (w, _), (sw, _) in
                zip(wide.compression_errors(), saved["errors"]))
@@ -274,7 +278,7 @@ def test_bfloat16_errors_hold_half_the_bytes():
 @pytest.mark.parametrize("value,pattern", [
     (torch.float16, "invalid error_dtype: torch.float16"),
     ("bf16", "invalid error_dtype: 'bf16'"),
-    (torch.float64, "torch.float32 .the default. or torch.bfloat16"),
+    (torch.float64, "'auto' .the default., torch.float32 or torch.bfloat16"),
 ])
 def test_bad_values_are_refused(value, pattern):
     with pytest.raises(ValueError, match=pattern):

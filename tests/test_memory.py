@@ -60,7 +60,8 @@ def test_no_compression_errors_before_the_switch():
 
 @pytest.mark.parametrize("space", ["preconditioned", "momentum"])
 def test_onebit_adam_holds_what_its_table_says(space):
-    params, opt = _build(onebit.OnebitAdam, freeze_step=2, compression_space=space)
+    params, opt = _build(onebit.OnebitAdam, freeze_step=2, compression_space=space, preconditioner_dtype=torch.float32,
+                         error_dtype=torch.float32)
     assert _large(held_buffers(opt)) == STATE
     _step(params, opt)
     _step(params, opt)
@@ -70,6 +71,18 @@ def test_onebit_adam_holds_what_its_table_says(space):
     if space == "preconditioned":
         frozen["_frozen_denominator._entries.inverse"] = PADDED * F32
     assert _large(held_buffers(opt)) == {**STATE, **ERRORS, **frozen}
+
+
+def test_onebit_adam_by_default_holds_its_compact_state():
+    """``"auto"``: in the preconditioned space, bfloat16 errors and ``1 / d`` alone, the variance released."""
+    params, opt = _build(onebit.OnebitAdam, freeze_step=2)
+    for _ in range(3):
+        _step(params, opt)
+    assert _large(held_buffers(opt)) == {
+        "bucket.buffers[exp_avg]": PADDED * F32, "_frozen_denominator._entries.views": PADDED * 2,
+        "bucket.compression._worker_error": PADDED * 2, "bucket.compression._server_error": PADDED * 2}
+    _, wide = _build(onebit.OnebitAdam, freeze_step=2, compression_space="momentum")
+    assert wide.error_dtype == wide.preconditioner_dtype == torch.float32
 
 
 def test_onebit_lamb_holds_what_its_table_says():

@@ -88,7 +88,7 @@ def _train(rank: int, world_size: int, steps: int, backend: str | None = None,
     params = _params()
     opt = OnebitAdam(params, lr=LR, freeze_step=FREEZE, betas=BETAS, eps=EPS, weight_decay=WD,
                      comm_backend_name=backend, compression_space="preconditioned", kernels=kernels,
-                     update_bound=update_bound, preconditioner_dtype=preconditioner_dtype)
+                     update_bound=update_bound, preconditioner_dtype=preconditioner_dtype, error_dtype=torch.float32)
     out = []
     for t in range(1, steps + 1):
         for p, g in zip(params, _grads(rank, t)):

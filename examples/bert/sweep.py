@@ -58,7 +58,8 @@ The runs:
   bfloat16: half the bytes of a warmup step);
 * ``*_bf16err``: the 1-bit run with ``error_dtype = "bfloat16"`` (its compression errors held in
   bfloat16: half their memory); ``*_compact`` (1-bit Adam and LAMB): and ``preconditioner_dtype =
-  "bfloat16"`` (the frozen ``1 / d`` alone, in bfloat16);
+  "bfloat16"`` (the frozen ``1 / d`` alone, in bfloat16); ``*_float32`` (1-bit Adam and LAMB): both
+  float32 (1-bit Adam's defaults are compact in the preconditioned space since 2026-11-28);
 * ``*_pre`` / ``*_mom``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit
   all-reduce averages ``m / (sqrt(v) + eps)``; the default of 1-bit Adam and 1-bit LAMB) /
   ``"momentum"`` (it averages ``m``: DeepSpeed's numerics, the default before 2026-11-26).
@@ -172,9 +173,13 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
                 runs[f"{name}_mom"] = ({**params, "compression_space": "momentum"}, adam, kind)
     for name, (params, adam, kind) in list(runs.items()):
         if name != adam:  # a 1-bit run
-            runs[f"{name}_bf16err"] = ({**params, "error_dtype": "bfloat16"}, adam, kind)
-            if kind in ("OneBitAdam", "OneBitLamb"):
+            frozen = kind in ("OneBitAdam", "OneBitLamb")  # (a frozen preconditioner: float32 unless named)
+            runs[f"{name}_bf16err"] = ({**params, "error_dtype": "bfloat16",
+                                        **({"preconditioner_dtype": "float32"} if frozen else {})}, adam, kind)
+            if frozen:
                 runs[f"{name}_compact"] = ({**params, "error_dtype": "bfloat16", "preconditioner_dtype": "bfloat16"},
+                                           adam, kind)
+                runs[f"{name}_float32"] = ({**params, "error_dtype": "float32", "preconditioner_dtype": "float32"},
                                            adam, kind)
     return runs
 
