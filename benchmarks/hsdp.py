@@ -75,6 +75,11 @@ def _nbytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
+#: 1-bit Adam's state as AdamW's (float32 moments in ``optimizer.state``, what :func:`state_bytes`
+#: counts), not its compact defaults: the comparison is of the layouts' sharding
+FLOAT32_STATE = {"preconditioner_dtype": torch.float32, "error_dtype": torch.float32}
+
+
 def state_bytes(optimizer) -> int:
     """Every tensor in ``optimizer.state`` (a DTensor's local shard), as this rank holds it."""
     return _nbytes(t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor))
@@ -103,10 +108,11 @@ class Config:
         elif name == "hsdp_onebit":
             self.model = _shard(model, mesh["shard"])
             self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=1, comm_backend_name="gloo",
-                                        group=mesh["replicate"])
+                                        group=mesh["replicate"], **FLOAT32_STATE)
         else:
             self.model = model
-            self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=1, comm_backend_name="gloo")
+            self.optimizer = OnebitAdam(self.model.parameters(), lr=1e-5, freeze_step=1, comm_backend_name="gloo",
+                                        **FLOAT32_STATE)
         self.rows: list[dict] = []
         self.untimed: list[dict] = []
 

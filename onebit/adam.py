@@ -155,6 +155,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
         if self.preconditioner_dtype != torch.float32:  # (1 / d alone: m times it)
             inverses = self._frozen_denominator.inverse(bucket, group["eps"], bc2).views
             descend_(bucket, bucket.views["exp_avg"], inverses, group["lr"], group["weight_decay"], bc1, times=True)
+            self._release_variance(bucket)
             return
         denominators = self._frozen_denominator.get(bucket, group["eps"], bc2).views
         descend_(bucket, bucket.views["exp_avg"], denominators, group["lr"], group["weight_decay"], bc1)
@@ -170,6 +171,9 @@ def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: flo
     F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
     if bucket.mask is not None:
         m.mul_(bucket.mask)
+    if denominator is None and bucket.padded == bucket.numel:  # (else the padded gradient's buffer takes it)
+        _adam_update_in_pieces_(bucket, group, bc1, bc2)
+        return
     if denominator is None:
         direction = F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2)
     else:  # the same operations, the denominator kept
@@ -177,6 +181,39 @@ def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: flo
         if bc1 != 1.0:
             direction.div_(bc1)
     decayed_step_(bucket, bucket.view(direction), group["lr"], group["weight_decay"])
+
+
+def _adam_update_in_pieces_(bucket: Bucket, group: dict[str, Any], bc1: float, bc2: float) -> None:
+    """:func:`adam_step_`'s update after its moments, a million elements of the flat buffers at a
+    time: the same operations on each element as with the whole direction in a buffer
+    (``adam_direction_``, then :func:`decayed_step_`), in one buffer of a piece's size instead of
+    the bucket's (4 B/param of warmup's memory). Parameters that are not contiguous take the
+    whole buffer."""
+    lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+    m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]
+    if not all(p.is_contiguous() for p in bucket.params):
+        direction = F.adam_direction_(bucket.scratch("update"), m, v, eps, bc1, bc2)
+        decayed_step_(bucket, bucket.view(direction), lr, weight_decay)
+        return
+    chunk = F.WIDEN_CHUNK
+    piece = torch.empty(min(chunk, bucket.padded), dtype=torch.float32, device=m.device)
+    flats = [p.view(-1) for p in bucket.params]
+    for start in range(0, bucket.padded, chunk):
+        stop = min(start + chunk, bucket.padded)
+        direction = F.adam_direction_(piece[:stop - start], m[start:stop], v[start:stop], eps, bc1, bc2)
+        params, updates = [], []
+        for flat, s in zip(flats, bucket.slices):
+            low, high = max(start, s.start), min(stop, s.stop)
+            if low < high:
+                params.append(flat[low - s.start:high - s.start])
+                updates.append(direction[low - start:high - start])
+        if weight_decay != 0:
+            torch._foreach_add_(updates, params, alpha=weight_decay)
+        if bucket.same_dtype:
+            torch._foreach_add_(params, updates, alpha=-lr)
+        else:
+            for p, u in zip(params, updates):
+                p.add_(u.to(p.dtype), alpha=-lr)
 
 
 def descend_(bucket: Bucket, momenta: list[torch.Tensor], denominators: list[torch.Tensor], lr: float,

@@ -154,7 +154,7 @@ class FrozenDenominator:
         ``out`` if given): ``v = (1 / inv - eps)**2 * bc2`` in float64, at least :data:`_SMALLEST`
         and at most float32's largest; 0 where ``1 / d`` is 0 (a variance of 0, a mask, the
         padding). Derived again (:meth:`inverse`), it gives the same ``1 / d``, bit for bit: the
-        state dict of a held bucket resumes exactly (``tests/test_compact_state.py`` checks every
+        state dict of a held bucket resumes exactly (``tests/test_released_variance.py`` checks every
         float32 exponent for several ``eps`` and ``bc2``)."""
         entry = self._entries[bucket]
         eps, bc2 = entry.key
@@ -302,8 +302,6 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
             bucket.release_scratch()  # compression reads p.grad directly (re-allocated if it cannot)
 
     def _on_compression(self, buckets: list[Bucket], keeps: list[torch.Tensor], t: int, dead: int) -> None:
-        for bucket in buckets:
-            self._release_variance(bucket)
         if self._speaks:
             what = "variance frozen, switching to" if t == self.freeze_step + 1 else "resuming with"
             logger.info(
@@ -373,7 +371,9 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
                                   group.get("bias_correction", False))[1]
 
     def _release_variance(self, bucket: Bucket) -> None:
-        """With :meth:`_releases_variance`: hold the compressed ``bucket``'s ``1 / d`` instead of its variance."""
+        """With :meth:`_releases_variance`: hold the compressed ``bucket``'s ``1 / d`` instead of its
+        variance (after its first compressed update: a step skipped everywhere releases nothing,
+        whether ``overlap_backward`` began it or not; and after a load or a new layout past it)."""
         if self._releases_variance() and "exp_avg_sq" in bucket.buffers:
             group = self.param_groups[bucket.group_index]
             self._frozen_denominator.hold(bucket, group["eps"], self._frozen_bc2(group))

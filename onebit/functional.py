@@ -158,7 +158,7 @@ def kept_still(exp_avg_sq: torch.Tensor, mask: torch.Tensor | None = None) -> to
 WIDEN_CHUNK = 1 << 20
 
 
-def _pieces(tensors: Sequence[torch.Tensor], chunk: int) -> Iterator[list[tuple[int, slice | None]]]:
+def pieces(tensors: Sequence[torch.Tensor], chunk: int = WIDEN_CHUNK) -> Iterator[list[tuple[int, slice | None]]]:
     """Batches of ``(index, part)`` of at most about ``chunk`` elements: small tensors whole
     (``part`` None), a contiguous one larger than ``chunk`` in slices of its flat view."""
     batch: list[tuple[int, slice | None]] = []
@@ -178,7 +178,8 @@ def _pieces(tensors: Sequence[torch.Tensor], chunk: int) -> Iterator[list[tuple[
         yield batch
 
 
-def _part(t: torch.Tensor, part: slice | None) -> torch.Tensor:
+def part_of(t: torch.Tensor, part: slice | None) -> torch.Tensor:
+    """The ``part`` of ``t`` that :func:`pieces` named (its flat view's slice; None: all of it)."""
     return t if part is None else t.view(-1)[part]
 
 
@@ -186,9 +187,9 @@ def addcmul_widened_(outs: Sequence[torch.Tensor], a: Sequence[torch.Tensor], b:
                      chunk: int = WIDEN_CHUNK) -> None:
     """``out += value * a * float(b)`` for each triple (``b`` of a narrower type, e.g. bfloat16),
     widening ``chunk`` elements of ``b`` at a time (the same numbers as widening all of it first)."""
-    for batch in _pieces(outs, chunk):
-        torch._foreach_addcmul_([_part(outs[i], p) for i, p in batch], [_part(a[i], p) for i, p in batch],
-                                [_part(b[i], p).float() for i, p in batch], value=value)
+    for batch in pieces(outs, chunk):
+        torch._foreach_addcmul_([part_of(outs[i], p) for i, p in batch], [part_of(a[i], p) for i, p in batch],
+                                [part_of(b[i], p).float() for i, p in batch], value=value)
 
 
 def mul_widened(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, chunk: int = WIDEN_CHUNK) -> torch.Tensor:

@@ -38,6 +38,13 @@ def _backward(model: torch.nn.Module, rank: int, t: int) -> None:
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
+def _released(opt) -> set[str]:
+    """The buffers ``opt`` holds in another form now: saved in its state dict, absent from its state."""
+    saved = next(iter(opt.state_dict()["state"].values()), {})
+    held = next((entry for p, entry in opt.state.items() if isinstance(p, torch.Tensor)), {})
+    return {name for name in opt.STATE.buffers if name in saved and name not in held}
+
+
 def _none_grads(cls, rank: int) -> dict:
     """Layer 0 has no gradient on any rank from step 2 on; layer 2's bias has none on rank 1 only."""
     model = _model()
@@ -54,9 +61,12 @@ def _none_grads(cls, rank: int) -> dict:
         state = [{k: v.clone() for k, v in opt.state[p].items() if k not in opt.STATE.shared_scalars}
                  for p in model[0].parameters()]
         opt.step()
+        # (a buffer the phase holds in another form, 1-bit Adam's variance behind its bfloat16 1 / d, is
+        # left out: test_released_variance.py checks it)
         untouched.append(t == 1 or (
             all(torch.equal(a, b) for a, b in zip(before, model[0].parameters()))
-            and all(torch.equal(opt.state[p][k], v) for p, s in zip(model[0].parameters(), state) for k, v in s.items())))
+            and all(torch.equal(opt.state[p][k], v) for p, s in zip(model[0].parameters(), state) for k, v in s.items()
+                    if k in opt.state[p] or k not in _released(opt))))
         identical.append(opt.replicas_identical)
     return {"untouched": untouched, "identical": identical, "params": clone_params(model.parameters()),
             "bias_moved": not torch.equal(model[2].bias, _model()[2].bias)}

@@ -161,3 +161,43 @@ def test_a_warmup_step_holding_parameters_without_a_gradient_allocates_no_errors
     start = opt._buckets[0].layout.starts[1]
     assert state.allocated and state.worker_error[:start].abs().sum() > 0
     assert state.worker_error[start:].abs().sum() == 0 and state.server_error[start:].abs().sum() == 0
+
+
+def _adam_oracle(params, grads_per_step, lr, betas, eps, weight_decay):
+    """Adam with ``eps`` outside the root, bias-corrected, decoupled decay: OnebitAdam's warmup
+    step, operation by operation (moments, the momentum a ``lerp``, ``m / (sqrt(v) / sqrt(bc2) + eps) / bc1``, then
+    ``u + wd p`` and ``p - lr u``, each one rounding)."""
+    params = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for t, grads in enumerate(grads_per_step, start=1):
+        bc1, bc2 = 1 - betas[0] ** t, 1 - betas[1] ** t
+        for i, g in enumerate(grads):
+            m[i].lerp_(g, 1 - betas[0])
+            v[i].mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+            u = m[i] / (torch.sqrt(v[i]) / bc2**0.5 + eps) / bc1
+            params[i].add_(u.add_(params[i], alpha=weight_decay), alpha=-lr)
+    return params
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+def test_warmup_updates_in_pieces_without_a_buffer_of_the_direction(chunk, monkeypatch):
+    """An unpadded bucket's warmup writes its update a piece at a time (here ``chunk`` elements):
+    no ``update`` buffer is held, and the parameters are Adam's, bit for bit."""
+    from onebit import functional
+
+    monkeypatch.setattr(functional, "WIDEN_CHUNK", chunk)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(1024))]
+    start = [p.detach().clone() for p in params]
+    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step=100, weight_decay=0.1, bias_correction=True,
+                            comm_backend_name="local")
+    grads = [[torch.randn_like(p) for p in params] for _ in range(3)]
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        opt.step()
+    (bucket,) = opt._buckets
+    assert bucket.padded == bucket.numel and "update" not in bucket._scratch
+    want = _adam_oracle(start, grads, 1e-2, (0.9, 0.999), 1e-8, 0.1)
+    assert all(torch.equal(p.detach(), w) for p, w in zip(params, want))

@@ -31,7 +31,8 @@ def _state(model, opt):
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()],
-        "exp_avg_sq": [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()],
+        # (as saved: 1-bit Adam's defaults release the variance after the freeze, holding 1 / d in bfloat16)
+        "exp_avg_sq": [entry["exp_avg_sq"] for entry in opt.state_dict()["state"].values()],
         "errors": [(b.compression.worker_error.clone(), b.compression.server_error.clone()) for b in opt._buckets],
         "step": opt.step_count,
     }

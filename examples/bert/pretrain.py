@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step as if interrupted (the schedule still spans --steps); resume later")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--perturb-init", type=float, default=0.0,
+                   help="multiply each initial weight by 1 +- this (random signs, the same on every rank): a run's "
+                        "own sensitivity to its last bits (e.g. 2.4e-7, two float32 ulps)")
     p.add_argument("--layout", choices=["dp", "hsdp"], default="dp",
                    help="dp: every rank holds the whole model, the optimizer averages over all ranks; hsdp: FSDP2 "
                         "shards the model over --shards ranks (a node) and the optimizer averages the shards across "
@@ -122,6 +125,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--resume is not wired for --layout hsdp: load OUT/checkpoint_dcp with torch.distributed.checkpoint "
                 "(examples/fsdp/train_hsdp.py shows how)")
     return args
+
+
+def perturb_(model: torch.nn.Module, relative: float, seed: int) -> None:
+    """Each parameter times ``1 + relative * s``, ``s`` a random sign from a generator of its own
+    (the same on every rank, and leaving the data order and masking as they were)."""
+    gen = torch.Generator().manual_seed(seed * 7919 + 17)
+    with torch.no_grad():
+        for p in model.parameters():
+            signs = torch.randint(0, 2, p.shape, generator=gen).mul_(2).sub_(1).to(p.dtype)
+            p.mul_(1 + relative * signs.to(p.device))
 
 
 def read_config(args: argparse.Namespace) -> dict:
@@ -507,6 +520,8 @@ def train(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(args.seed)  # the same initialization on every rank (checked below)
     model = build_model(args.model, data.vocab_size, args.attn).to(device)
+    if args.perturb_init:
+        perturb_(model, args.perturb_init, args.seed)
     masks = momentum_masks(model, args.seq_len) if args.momentum_mask else {}
     group = None
     if args.layout == "hsdp":

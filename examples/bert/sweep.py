@@ -60,6 +60,8 @@ The runs:
   bfloat16: half their memory); ``*_compact`` (1-bit Adam and LAMB): and ``preconditioner_dtype =
   "bfloat16"`` (the frozen ``1 / d`` alone, in bfloat16); ``*_float32`` (1-bit Adam and LAMB): both
   float32 (1-bit Adam's defaults are compact in the preconditioned space since 2026-11-28);
+* ``*_jitter``: the 1-bit run with float32 state and its initial weights moved by two float32 ulps
+  (``--perturb-init 2.4e-7``): how far the last bits alone move a run's end (its noise);
 * ``*_pre`` / ``*_mom``: the 1-bit run with ``compression_space = "preconditioned"`` (the 1-bit
   all-reduce averages ``m / (sqrt(v) + eps)``; the default of 1-bit Adam and 1-bit LAMB) /
   ``"momentum"`` (it averages ``m``: DeepSpeed's numerics, the default before 2026-11-26).
@@ -181,7 +183,14 @@ def configs(steps: int) -> dict[str, tuple[dict, str, str]]:
                                            adam, kind)
                 runs[f"{name}_float32"] = ({**params, "error_dtype": "float32", "preconditioner_dtype": "float32"},
                                            adam, kind)
+            # float32 state, the initial weights moved by two ulps: how far a run's last bits alone move its end
+            runs[f"{name}_jitter"] = ({**params, "error_dtype": "float32", PERTURB: 2.4e-7,
+                                       **({"preconditioner_dtype": "float32"} if frozen else {})}, adam, kind)
     return runs
+
+
+#: A run's entry that is not the optimizer's: pretrain.py's --perturb-init (the ``*_jitter`` runs)
+PERTURB = "perturb_init"
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -286,13 +295,15 @@ def sweep(runs: dict[str, tuple[dict, str, str]], args: argparse.Namespace, out:
     results = {}
     for name in args.runs:
         params, _, kind = runs[name]
+        params = dict(params)
+        perturb = ["--perturb-init", str(params.pop(PERTURB))] if PERTURB in params else []
         run_dir = out / name
         run_dir.mkdir(parents=True, exist_ok=True)
         config = run_dir / "config.json"
         config.write_text(json.dumps({"optimizer": {"type": kind, "params": params}}, indent=2))
         if not (run_dir / "summary.json").exists():
             launch(["--config", str(config), "--out", str(run_dir), "--steps", str(args.steps), "--no-progress",
-                    *passthrough], args.world_size, run_dir, timeout=args.timeout, quiet=True)
+                    *perturb, *passthrough], args.world_size, run_dir, timeout=args.timeout, quiet=True)
         results[name] = summarize(name, run_dir)
     for name, result in results.items():
         adam = results.get(runs[name][1])
