@@ -50,10 +50,18 @@ def _auto_has_its_state(values: dict[str, Any]) -> None:
 
 
 def _note_unused_bound(opt: FrozenVarianceOptimizer) -> None:
-    """After a load: an ``update_bound`` given to the constructor clamps nothing in a restored momentum space."""
+    """After a load: an ``update_bound`` given to the constructor clamps nothing in a restored
+    momentum space; the bfloat16 state that ``"auto"`` chose for the preconditioned space stays in
+    it (DeepSpeed's numerics need float32 state)."""
     if opt._speaks and opt._bound_given and opt._bound_setting is not None and opt.compression_space != "preconditioned":
         logger.warning("onebit: update_bound=%g clamps nothing in the momentum space restored from the checkpoint",
                        opt._bound_setting)
+    wide = opt.preconditioner_dtype == opt.error_dtype == torch.float32
+    if opt._speaks and opt.compression_space == "momentum" and opt._built_compact and not wide:
+        logger.warning("onebit: the checkpoint restores compression_space='momentum' into a %s built for the "
+                       "preconditioned space, whose bfloat16 state ('auto') stays: DeepSpeed's numerics need float32 "
+                       "state; build it with compression_space='momentum' (or preconditioner_dtype=torch.float32, "
+                       "error_dtype=torch.float32) for them", type(opt).__name__)
 
 
 @dataclass
@@ -149,16 +157,17 @@ class FrozenDenominator:
         """The held ``1 / d`` (flat, bfloat16)."""
         return self._entries[bucket].inverse
 
-    def variance(self, bucket: Bucket, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The frozen variance that the held ``1 / d`` of ``bucket`` stands for (flat, float32, into
-        ``out`` if given): ``v = (1 / inv - eps)**2 * bc2`` in float64, at least :data:`_SMALLEST`
-        and at most float32's largest; 0 where ``1 / d`` is 0 (a variance of 0, a mask, the
-        padding). Derived again (:meth:`inverse`), it gives the same ``1 / d``, bit for bit: the
-        state dict of a held bucket resumes exactly (``tests/test_released_variance.py`` checks every
-        float32 exponent for several ``eps`` and ``bc2``)."""
+    def variance(self, bucket: Bucket, out: torch.Tensor | None = None, where: slice = slice(None)) -> torch.Tensor:
+        """The frozen variance that the held ``1 / d`` of ``bucket`` stands for (flat, float32, over
+        ``where`` of the padded buffer, into ``out`` if given): ``v = (1 / inv - eps)**2 * bc2`` in
+        float64, at least :data:`_SMALLEST` and at most float32's largest; 0 where ``1 / d`` is 0
+        (a variance of 0, the padding; buckets with a momentum mask are not held). Derived again
+        (:meth:`inverse`), it gives the same ``1 / d``, bit for bit: the state dict of a held
+        bucket resumes exactly (``tests/test_released_variance.py`` checks every float32 exponent
+        for several ``eps`` and ``bc2``)."""
         entry = self._entries[bucket]
         eps, bc2 = entry.key
-        inverse = entry.inverse
+        inverse = entry.inverse[where]
         v = torch.empty(inverse.shape, dtype=torch.float32, device=inverse.device) if out is None else out
         for start in range(0, inverse.numel(), _CHUNK):
             part = inverse[start:start + _CHUNK]
@@ -233,6 +242,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         # "auto" or the bound given; resolved against the space in force (a checkpoint may restore another)
         self._bound_setting: float | str | None = update_bound
         self._unbounded: set[int] = set()  # the groups whose betas left update_bound nothing to clamp (said once)
+        # ("auto" chose bfloat16 for this space: said if a load restores the other one)
+        self._built_compact = self._auto_dtype() != torch.float32
         self.preconditioner_dtype = preconditioner_dtype_of(preconditioner_dtype, self._auto_dtype())
         self._frozen_denominator = FrozenDenominator(self.preconditioner_dtype)
         super().__init__(params, defaults, **options)
@@ -288,14 +299,15 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     def _dead(self, bucket: Bucket) -> torch.Tensor:
         if "exp_avg_sq" in bucket.buffers:
             return bucket.buffers["exp_avg_sq"] == 0
-        dead = self._frozen_denominator.held_inverse(bucket) == 0  # (the variance released: 1 / d is 0 there)
-        return dead if bucket.mask is None else dead.logical_and_(bucket.mask != 0)
+        return self._frozen_denominator.held_inverse(bucket) == 0  # (released, unmasked: 1 / d is 0 there)
 
-    def _releases_variance(self) -> bool:
-        """Whether the compressed buckets' frozen variance is released once compression starts, its
-        bfloat16 ``1 / d`` (2 B/param) held instead of it (4 B/param): a bfloat16 preconditioner,
-        in an algorithm that needs nothing else from the frozen variance (``_VARIANCE_RELEASED``)."""
-        return self._VARIANCE_RELEASED and self.preconditioner_dtype != torch.float32
+    def _releases_variance(self, bucket: Bucket) -> bool:
+        """Whether the compressed ``bucket``'s frozen variance is released once compression starts,
+        its bfloat16 ``1 / d`` (2 B/param) held instead of it (4 B/param): a bfloat16
+        preconditioner, in an algorithm that needs nothing else from the frozen variance
+        (``_VARIANCE_RELEASED``), and no momentum mask (``1 / d`` is 0 where it is, which cannot
+        stand for the variance there: a checkpoint loaded without the mask needs it)."""
+        return self._VARIANCE_RELEASED and self.preconditioner_dtype != torch.float32 and bucket.mask is None
 
     def _entering_compression(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:  # (before the keep masks: the warmup's scratch is not the peak's too)
@@ -374,7 +386,7 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         """With :meth:`_releases_variance`: hold the compressed ``bucket``'s ``1 / d`` instead of its
         variance (after its first compressed update: a step skipped everywhere releases nothing,
         whether ``overlap_backward`` began it or not; and after a load or a new layout past it)."""
-        if self._releases_variance() and "exp_avg_sq" in bucket.buffers:
+        if self._releases_variance(bucket) and "exp_avg_sq" in bucket.buffers:
             group = self.param_groups[bucket.group_index]
             self._frozen_denominator.hold(bucket, group["eps"], self._frozen_bc2(group))
             self._release(bucket, "exp_avg_sq")
@@ -392,8 +404,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         saved: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for bucket in self._buckets:
             if self._frozen_denominator.held(bucket) and "exp_avg_sq" not in bucket.buffers:
-                views = bucket.view(self._frozen_denominator.variance(bucket))
-                saved.update({p: {"exp_avg_sq": view} for p, view in zip(bucket.owners, views)})
+                saved.update({p: {"exp_avg_sq": self._frozen_denominator.variance(bucket, where=s).view(q.shape)}
+                              for p, q, s in zip(bucket.owners, bucket.params, bucket.slices)})
         return saved
 
     def _forget(self) -> None:

@@ -371,6 +371,17 @@ def to_torch_adam(sd: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def _restored(errors: list[tuple[torch.Tensor, torch.Tensor]] | None, dtype: torch.dtype) -> str:
+    """What the load's line says of the compression errors."""
+    if errors is None:
+        return "reset"
+    other = {t.dtype for pair in errors for t in pair} - {dtype}
+    if other:  # (restore() copies them into this optimizer's type)
+        how = "rounded" if dtype == torch.bfloat16 else "widened"
+        return f"restored ({how} from {'/'.join(sorted(str(d) for d in other))} to {dtype}: not an exact resume)"
+    return "restored (exact resume)"
+
+
 def check_compression_errors(opt: Any, errors: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
     """``errors`` (or None) fit ``opt.compression_errors()``: same count, same shapes."""
     if errors is None:
@@ -448,7 +459,7 @@ class StateDictContract:
             worker.copy_(w)
             server.copy_(s)
         if self._load_note is not None:  # the load's line, said at the next step, says "restored"
-            self._load_note = (*self._load_note[:-1], "restored (exact resume)")
+            self._load_note = (*self._load_note[:-1], _restored(errors, self.error_dtype))
 
     def layout_digest(self) -> str:
         """16 hex digits that differ when the parameter layout (groups, shapes, dtypes, buckets,
@@ -525,6 +536,6 @@ class StateDictContract:
         self._load_note = None if getattr(self, "_copying", False) else (
             f"onebit: loaded {what[0]} at step %d (next: a %s step{''.join('; ' + n for n in what[1:])}); "
             "compression errors %s",
-            self._step, self.phase, "restored (exact resume)" if compression_errors is not None else "reset")
+            self._step, self.phase, _restored(compression_errors, self.error_dtype))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -138,8 +138,8 @@ def _state_copy(opt, p) -> dict[str, Any]:
 def _same_state(after: dict[str, Any], before: dict[str, Any], released: frozenset[str] = frozenset()) -> bool:
     """Every entry of ``before`` unchanged in ``after`` (which may hold the buffers of a phase that
     began, e.g. 0/1 Adam's accumulator), but for the ``released`` ones, which a phase that began may
-    hold in another form (1-bit Adam's frozen variance with a bfloat16 preconditioner: what it holds
-    instead is checked in ``test_compact_state.py``)."""
+    hold in another form (1-bit Adam's frozen variance with a bfloat16 preconditioner: that what it
+    holds instead is the same ``1 / d`` is checked in ``test_released_variance.py``)."""
     kept = {k: v for k, v in before.items() if k not in released or k in after}
     return kept.keys() <= after.keys() and all(
         torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in kept.items())

@@ -201,3 +201,15 @@ def test_warmup_updates_in_pieces_without_a_buffer_of_the_direction(chunk, monke
     assert bucket.padded == bucket.numel and "update" not in bucket._scratch
     want = _adam_oracle(start, grads, 1e-2, (0.9, 0.999), 1e-8, 0.1)
     assert all(torch.equal(p.detach(), w) for p, w in zip(params, want))
+
+
+def test_a_bucket_with_a_bfloat16_parameter_keeps_the_whole_direction():
+    """A piece boundary inside a bfloat16 parameter would round its tail elsewhere than the
+    vectorized body: such buckets write the whole direction, as before."""
+    params = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(1024).bfloat16())]
+    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step=100, comm_backend_name="local")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    (bucket,) = opt._buckets
+    assert bucket.padded == bucket.numel and "update" in bucket._scratch

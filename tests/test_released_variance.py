@@ -109,7 +109,7 @@ def test_releasing_the_variance_changes_no_bit(extra, monkeypatch):
     for t, (a, b) in enumerate(zip(released, kept), start=1):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), t
     assert held_k == [True] * len(held_k)
-    assert held_r == [True] * 3 + [False] * (len(held_r) - 3)
+    assert held_r == [True] * 3 + [False] * (len(held_r) - 3)  # (released after the first compressed update)
     # saved: the variance kept, and the one derived from 1 / d, which loads into the same 1 / d
     for entry_r, entry_k in zip(saved_r["state"].values(), saved_k["state"].values()):
         assert entry_r.keys() == entry_k.keys()
@@ -179,3 +179,50 @@ def test_lamb_keeps_its_variance():
         model(torch.randn(4, 6)).square().mean().backward()
         opt.step()
     assert all("exp_avg_sq" in opt.state[p] for p in model.parameters())
+
+
+def test_a_bucket_with_a_momentum_mask_keeps_its_variance():
+    """``1 / d`` is 0 under a mask, which cannot stand for the variance there: such buckets keep it."""
+    model = tiny_mlp(6, 16, 3)
+    weight = model[0].weight
+    mask = torch.ones_like(weight)
+    mask[:, :2] = 0
+    opt = _compact(model.parameters(), freeze_step=1, momentum_masks={weight: mask}, bucket_size=weight.numel())
+    for _ in range(3):
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+    assert "exp_avg_sq" in opt.state[weight] and bool((opt.state[weight]["exp_avg_sq"][:, :2] > 0).all())
+    assert not all("exp_avg_sq" in opt.state[p] for p in model.parameters())  # (the unmasked buckets released it)
+
+
+def test_saved_variances_are_tensors_of_their_own():
+    """Each saved ``exp_avg_sq`` has storage of its parameter's size (``torch.save`` of one entry
+    writes that entry, not its bucket)."""
+    model = tiny_mlp(6, 16, 3)
+    opt = _compact(model.parameters(), freeze_step=1)
+    for _ in range(2):
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+    for entry, p in zip(opt.state_dict()["state"].values(), model.parameters()):
+        assert entry["exp_avg_sq"].untyped_storage().nbytes() == 4 * p.numel()
+
+
+def test_loads_that_change_the_numerics_say_so(caplog):
+    """A momentum-space checkpoint restored into the defaults (bfloat16 state for the preconditioned
+    space) warns; float32 errors restored into bfloat16 ones are said to be rounded."""
+    model = tiny_mlp(6, 16, 3)
+    wide = OnebitAdam(model.parameters(), lr=1e-3, comm_backend_name="local", freeze_step=1,
+                      compression_space="momentum")
+    for _ in range(3):
+        model(torch.randn(4, 6)).square().mean().backward()
+        wide.step()
+    errors = [(w.clone(), s.clone()) for w, s in wide.compression_errors()]
+    assert errors and errors[0][0].dtype == torch.float32
+    narrow = OnebitAdam(model.parameters(), lr=1e-3, comm_backend_name="local", freeze_step=1)
+    with caplog.at_level("INFO", logger="onebit"):
+        narrow.restore(wide.state_dict(), errors)
+        model(torch.randn(4, 6)).square().mean().backward()
+        narrow.step()
+    text = caplog.text
+    assert "restores compression_space='momentum'" in text and "float32" in text
+    assert "rounded from torch.float32 to torch.bfloat16: not an exact resume" in text

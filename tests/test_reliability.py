@@ -32,7 +32,7 @@ def _state(model, opt):
         "params": [p.detach().clone() for p in model.parameters()],
         "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()],
         # (as saved: 1-bit Adam's defaults release the variance after the freeze, holding 1 / d in bfloat16)
-        "exp_avg_sq": [entry["exp_avg_sq"] for entry in opt.state_dict()["state"].values()],
+        "exp_avg_sq": [opt.state_dict()["state"][i]["exp_avg_sq"] for i, _ in enumerate(model.parameters())],
         "errors": [(b.compression.worker_error.clone(), b.compression.server_error.clone()) for b in opt._buckets],
         "step": opt.step_count,
     }
