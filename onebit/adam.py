@@ -64,13 +64,14 @@ class OnebitAdam(FrozenVarianceOptimizer):
         preconditioner_dtype: ``"auto"`` (default): ``torch.bfloat16`` in the preconditioned
             space, ``torch.float32`` in the momentum space (DeepSpeed's numerics exactly); with it
             ``error_dtype="auto"`` holds the compression errors in bfloat16 too (not with
-            ``hierarchy``: float32). Measured on BERT
-            (3 seeds, 2 settings): within 0.0011 of float32 state; 9.4 bytes per parameter after
-            the freeze instead of 22.4. ``torch.float32``: the frozen ``d`` and ``1 / d`` held in
+            ``hierarchy``: float32). Measured on BERT (3 seeds, 2 settings): within 0.0011 of
+            float32 state; 9.4 bytes per parameter after the freeze instead of 22.4 (2 ranks, no
+            masks). ``torch.float32``: the frozen ``d`` and ``1 / d`` held in
             float32 (8 bytes per parameter). ``torch.bfloat16`` (``"bfloat16"`` in config files):
             ``1 / d`` alone, rounded once to bfloat16 (2 bytes): the codec multiplies by it, the
-            decoded average is divided by it, and the update is ``m * (1 / d)``. Once compression
-            starts, ``1 / d`` is the compressed groups' state: their frozen variance is released
+            decoded average is divided by it, and the update is ``m * (1 / d)``. After a bucket's
+            first compressed update, ``1 / d`` is its state (buckets without a momentum mask, in
+            compressed groups): the frozen variance is released
             (4 bytes per parameter) and derived again from ``1 / d`` where it is needed (the state
             dict holds ``exp_avg_sq`` as usual, which loads back into the same ``1 / d``, bit for
             bit; it is the variance to bfloat16's precision). See ``docs/guides/tuning.md``.
