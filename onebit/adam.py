@@ -173,7 +173,7 @@ def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: flo
     F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
     if bucket.mask is not None:
         m.mul_(bucket.mask)
-    if denominator is None and bucket.padded == bucket.numel:  # (else the padded gradient's buffer takes it)
+    if denominator is None and _in_pieces(bucket):
         _adam_update_in_pieces_(bucket, group, bc1, bc2)
         return
     if denominator is None:
@@ -185,19 +185,20 @@ def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: flo
     decayed_step_(bucket, bucket.view(direction), group["lr"], group["weight_decay"])
 
 
+def _in_pieces(bucket: Bucket) -> bool:
+    """Whether :func:`adam_step_` updates ``bucket`` in pieces: unpadded (else the padded gradient's
+    buffer takes the direction anyway), of contiguous float32 parameters (a piece boundary inside a
+    bfloat16 parameter would round its tail elsewhere than the vectorized body: not the same bits)."""
+    return bucket.padded == bucket.numel and bucket.same_dtype and all(p.is_contiguous() for p in bucket.params)
+
+
 def _adam_update_in_pieces_(bucket: Bucket, group: dict[str, Any], bc1: float, bc2: float) -> None:
     """:func:`adam_step_`'s update after its moments, a million elements of the flat buffers at a
     time: the same operations on each element as with the whole direction in a buffer
     (``adam_direction_``, then :func:`decayed_step_`), in one buffer of a piece's size instead of
-    the bucket's (4 B/param of warmup's memory). Parameters that are not all contiguous and
-    float32 take the whole buffer (a piece boundary inside a bfloat16 parameter would round its
-    tail elsewhere than the vectorized body: not the same bits)."""
+    the bucket's (4 B/param of warmup's memory); see :func:`_in_pieces`."""
     lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
     m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]
-    if not bucket.same_dtype or not all(p.is_contiguous() for p in bucket.params):
-        direction = F.adam_direction_(bucket.scratch("update"), m, v, eps, bc1, bc2)
-        decayed_step_(bucket, bucket.view(direction), lr, weight_decay)
-        return
     chunk = F.WIDEN_CHUNK
     piece = torch.empty(min(chunk, bucket.padded), dtype=torch.float32, device=m.device)
     flats = [p.view(-1) for p in bucket.params]

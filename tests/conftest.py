@@ -91,3 +91,11 @@ def fresh_optimizer_registry(monkeypatch):
     from onebit.engine import OnebitOptimizer
 
     monkeypatch.setattr(OnebitOptimizer, "_REGISTRY", dict(OnebitOptimizer._REGISTRY))
+
+
+def released_buffers(opt, p) -> frozenset[str]:
+    """The state buffers of ``p`` that ``opt`` holds in another form now (1-bit Adam's variance behind
+    its bfloat16 ``1 / d``): in its state dict, not in its state."""
+    index = [id(q) for group in opt.param_groups for q in group["params"]].index(id(p))
+    saved = opt.state_dict()["state"].get(index, {})
+    return frozenset(name for name in opt.STATE.buffers if name in saved and name not in opt.state[p])

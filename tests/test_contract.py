@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import all_equal, clone_params, short_schedules, tiny_mlp
+from conftest import all_equal, clone_params, released_buffers, short_schedules, tiny_mlp
 from onebit import OnebitAdam, OnebitDiLoCo, OnebitOptimizer
 from onebit.validation import TORCH_FLAGS
 
@@ -145,13 +145,6 @@ def _same_state(after: dict[str, Any], before: dict[str, Any], released: frozens
         torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in kept.items())
 
 
-def _released(opt, p) -> frozenset[str]:
-    """The state buffers of ``p`` that ``opt`` holds in another form: in its state dict, not in its state."""
-    index = [id(q) for group in opt.param_groups for q in group["params"]].index(id(p))
-    return frozenset(name for name in opt.STATE.buffers
-                     if name not in opt.state[p] and name in opt.state_dict()["state"].get(index, {}))
-
-
 def _unlisted() -> list[str]:
     """The config names of the registered optimizer classes that the table leaves out."""
     return [name for name, cls in OnebitOptimizer.registered().items() if cls not in SCHEDULES]
@@ -200,7 +193,7 @@ def test_a_parameter_without_gradient_is_left_alone_with_its_state(case):
             alone_model[0].load_state_dict(model[0].state_dict())
         if t > 1:
             assert all_equal(clone_params(frozen), before[0]), (t, opt.plan_for(t).name)
-            assert all(_same_state(_state_copy(opt, p), s, _released(opt, p)) for p, s in zip(frozen, before[1])), t
+            assert all(_same_state(_state_copy(opt, p), s, released_buffers(opt, p)) for p, s in zip(frozen, before[1])), t
         assert all_equal(clone_params(live), clone_params(alone_model[2].parameters())), t
     assert plans == set(case.cls.PLAN_NAMES)
     assert _momentum(_entries(opt, frozen[0])).abs().sum() > 0  # it had state to keep

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import LogMessages, clone_params, short_schedules, tiny_mlp
+from conftest import LogMessages, clone_params, released_buffers, short_schedules, tiny_mlp
 from distributed import run_ranks
 from onebit.integrations import attach_ddp
 
@@ -38,13 +38,6 @@ def _backward(model: torch.nn.Module, rank: int, t: int) -> None:
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
-def _released(opt, p) -> set[str]:
-    """The buffers of ``p`` that ``opt`` holds in another form now: saved in its state dict, absent from its state."""
-    index = [id(q) for group in opt.param_groups for q in group["params"]].index(id(p))
-    saved = opt.state_dict()["state"].get(index, {})
-    return {name for name in opt.STATE.buffers if name in saved and name not in opt.state[p]}
-
-
 def _none_grads(cls, rank: int) -> dict:
     """Layer 0 has no gradient on any rank from step 2 on; layer 2's bias has none on rank 1 only."""
     model = _model()
@@ -66,7 +59,7 @@ def _none_grads(cls, rank: int) -> dict:
         untouched.append(t == 1 or (
             all(torch.equal(a, b) for a, b in zip(before, model[0].parameters()))
             and all(torch.equal(opt.state[p][k], v) for p, s in zip(model[0].parameters(), state) for k, v in s.items()
-                    if k in opt.state[p] or k not in _released(opt, p))))
+                    if k in opt.state[p] or k not in released_buffers(opt, p))))
         identical.append(opt.replicas_identical)
     return {"untouched": untouched, "identical": identical, "params": clone_params(model.parameters()),
             "bias_moved": not torch.equal(model[2].bias, _model()[2].bias)}
