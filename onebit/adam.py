@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -16,7 +16,7 @@ from .state import TORCH_ADAM, from_torch_adam, to_torch_adam, torch_adam_step
 from .validation import DEEPSPEED_COMMON_REFUSED, check_flag
 
 __all__ = ["OnebitAdam", "adam_step_", "descend_", "step_by_", "decayed_step_", "add_to_params_", "copy_to_params_",
-           "as_float"]
+           "as_float", "by_pieces", "pieces", "flat_params"]
 
 
 class OnebitAdam(FrozenVarianceOptimizer):
@@ -173,13 +173,15 @@ def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: flo
     F.adam_moments_(m, v, bucket.averaged_grad(), beta1, beta2)
     if bucket.mask is not None:
         m.mul_(bucket.mask)
-    if denominator is None and _in_pieces(bucket):
-        _adam_update_in_pieces_(bucket, group, bc1, bc2)
+    if denominator is not None:
+        F.adam_denominator_(denominator, v, group["eps"], bc2)
+    if _in_pieces(bucket):
+        _adam_update_in_pieces_(bucket, group, bc1, bc2, denominator)
         return
     if denominator is None:
         direction = F.adam_direction_(bucket.scratch("update"), m, v, group["eps"], bc1, bc2)
     else:  # the same operations, the denominator kept
-        direction = torch.div(m, F.adam_denominator_(denominator, v, group["eps"], bc2), out=bucket.scratch("update"))
+        direction = torch.div(m, denominator, out=bucket.scratch("update"))
         if bc1 != 1.0:
             direction.div_(bc1)
     decayed_step_(bucket, bucket.view(direction), group["lr"], group["weight_decay"])
@@ -187,30 +189,62 @@ def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: flo
 
 def _in_pieces(bucket: Bucket) -> bool:
     """Whether :func:`adam_step_` updates ``bucket`` in pieces: unpadded (else the padded gradient's
-    buffer takes the direction anyway), of contiguous float32 parameters (a piece boundary inside a
-    bfloat16 parameter would round its tail elsewhere than the vectorized body: not the same bits)."""
-    return bucket.padded == bucket.numel and bucket.same_dtype and all(p.is_contiguous() for p in bucket.params)
+    buffer takes the direction anyway) and :func:`by_pieces`'s parameters."""
+    return bucket.padded == bucket.numel and by_pieces(bucket)
 
 
-def _adam_update_in_pieces_(bucket: Bucket, group: dict[str, Any], bc1: float, bc2: float) -> None:
-    """:func:`adam_step_`'s update after its moments, a million elements of the flat buffers at a
-    time: the same operations on each element as with the whole direction in a buffer
-    (``adam_direction_``, then :func:`decayed_step_`), in one buffer of a piece's size instead of
-    the bucket's (4 B/param of warmup's memory); see :func:`_in_pieces`."""
-    lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
-    m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]
-    chunk = F.WIDEN_CHUNK
-    piece = torch.empty(min(chunk, bucket.padded), dtype=torch.float32, device=m.device)
-    flats = [p.view(-1) for p in bucket.params]
+def by_pieces(bucket: Bucket) -> bool:
+    """Whether an update of ``bucket``'s parameters may run a piece of the flat buffers at a time
+    (:func:`pieces`) with the same bits as over the whole buffer: contiguous float32 parameters
+    (a piece boundary inside a bfloat16 parameter would round its tail elsewhere than the
+    vectorized body)."""
+    return bucket.same_dtype and all(p.is_contiguous() for p in bucket.params)
+
+
+def pieces(bucket: Bucket, count: int = 1, chunk: int | None = None
+           ) -> Iterator[tuple[slice, list[torch.Tensor], list[tuple[int, slice, slice]]]]:
+    """The bucket's flat (padded) buffers ``chunk`` elements at a time (default
+    :data:`onebit.functional.WIDEN_CHUNK`), per piece ``(where, scratch, parts)``: its slice of the
+    flat buffers, ``count`` float32 scratch buffers of its length (the same ones for every piece),
+    and per parameter it covers ``(index, within, of_param)``: the parameter's index in the bucket,
+    where its part lies within the piece and within the parameter's flat view
+    (:func:`flat_params`, for :func:`by_pieces` buckets)."""
+    chunk = F.WIDEN_CHUNK if chunk is None else chunk
+    length = min(chunk, bucket.padded)
+    scratch = [torch.empty(length, dtype=torch.float32, device=bucket.device) for _ in range(count)]
     for start in range(0, bucket.padded, chunk):
         stop = min(start + chunk, bucket.padded)
-        direction = F.adam_direction_(piece[:stop - start], m[start:stop], v[start:stop], eps, bc1, bc2)
-        params, updates = [], []
-        for flat, s in zip(flats, bucket.slices):
+        parts = []
+        for index, s in enumerate(bucket.slices):
             low, high = max(start, s.start), min(stop, s.stop)
             if low < high:
-                params.append(flat[low - s.start:high - s.start])
-                updates.append(direction[low - start:high - start])
+                parts.append((index, slice(low - start, high - start), slice(low - s.start, high - s.start)))
+        yield slice(start, stop), [buffer[:stop - start] for buffer in scratch], parts
+
+
+def flat_params(bucket: Bucket) -> list[torch.Tensor]:
+    """The bucket's parameters as flat views (contiguous ones: :func:`by_pieces`)."""
+    return [p.view(-1) for p in bucket.params]
+
+
+def _adam_update_in_pieces_(bucket: Bucket, group: dict[str, Any], bc1: float, bc2: float,
+                            denominator: torch.Tensor | None = None) -> None:
+    """:func:`adam_step_`'s update after its moments (and its ``denominator``), a piece of the flat
+    buffers at a time (:func:`pieces`): the same operations on each element as with the whole
+    direction in a buffer (``adam_direction_``, or ``m / denominator``, then :func:`decayed_step_`),
+    in one buffer of a piece's size instead of the bucket's (4 B/param of warmup's memory)."""
+    lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+    m, v = bucket.buffers["exp_avg"], bucket.buffers["exp_avg_sq"]
+    flats = flat_params(bucket)
+    for where, (piece,), parts in pieces(bucket):
+        if denominator is None:
+            direction = F.adam_direction_(piece, m[where], v[where], eps, bc1, bc2)
+        else:
+            direction = torch.div(m[where], denominator[where], out=piece)
+            if bc1 != 1.0:
+                direction.div_(bc1)
+        updates = [direction[within] for _, within, _ in parts]
+        params = [flats[index][of_param] for index, _, of_param in parts]
         if weight_decay != 0:
             torch._foreach_add_(updates, params, alpha=weight_decay)
         torch._foreach_add_(params, updates, alpha=-lr)

@@ -222,8 +222,12 @@ class Bucket:
         torch._foreach_copy_([grad[s] for s in self.slices], self.dense_grads())
         return grad
 
-    def release_scratch(self) -> None:
-        self._scratch.clear()
+    def release_scratch(self, *names: str) -> None:
+        """Free the scratch buffers ``names`` (those held), or all of them (and :attr:`compressed`
+        where it is one of them)."""
+        released = [self._scratch.pop(name) for name in (names or list(self._scratch)) if name in self._scratch]
+        if any(self.compressed is buffer for buffer in released):
+            self.compressed = None
 
 
 class Held:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import functional as F
-from .adam import adam_step_, as_float, copy_to_params_, descend_, step_by_
+from .adam import adam_step_, as_float, by_pieces, copy_to_params_, descend_, flat_params, pieces, step_by_
 from .buckets import Bucket
 from .engine import OnebitOptimizer
 from .plan import StepPlan
@@ -269,6 +269,17 @@ class ZeroOneAdam(OnebitOptimizer):
         k = variance_updates(min(t, self.var_freeze_step), self.var_update_scaler)
         return F.bias_corrections(t, k, *group["betas"], group["bias_correction"])
 
+    def _schedule_step(self, t: int) -> None:
+        """Phase 1 holds one flat buffer of its gradients at a time: a variance step's full-precision
+        one (``wire``, and ``update`` where padded) or a compressed-gradient step's (``grad``, which
+        its bounded update reuses); the other plan's is released when the plan changes."""
+        if t > self.var_freeze_step:
+            return
+        unused = ("grad",) if self.plan_for(t) is VARIANCE else ("wire", "wire_low", "update")
+        for bucket in self._buckets:
+            if bucket.compression is not None:
+                bucket.release_scratch(*unused)
+
     # ----------------------------------------------------------------- phase 1
 
     def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
@@ -340,7 +351,7 @@ class ZeroOneAdam(OnebitOptimizer):
             if preconditioned:  # the averaged gradient, from its average over d
                 averaged.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             m.lerp_(averaged, 1 - group["betas"][0])
-            bounded = self._bounded(bucket, group, bc1, denominator)
+            bounded = self._bounded(bucket, group, bc1, denominator, out=averaged)  # (read: its buffer is free)
             if bounded is None:
                 descend_(bucket, bucket.views["exp_avg"], d.views, group["lr"], group["weight_decay"], bc1)
             else:
@@ -356,7 +367,7 @@ class ZeroOneAdam(OnebitOptimizer):
                     u_view.zero_()
         theta = bucket.buffers["sync_point"]
         if self.update_bound is not None:
-            theta.add_(self._bounded_sync(bucket, group, averaged, denominator, totals, bc1))
+            self._bounded_sync(bucket, group, averaged, denominator, totals, bc1)
             if preconditioned:
                 averaged.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         elif preconditioned:
@@ -397,47 +408,70 @@ class ZeroOneAdam(OnebitOptimizer):
         u = bucket.views["momentum_accumulator"]
         if weight_decay != 0:
             torch._foreach_add_(u, as_float(bucket.params), alpha=-lr * weight_decay)
-        bounded = self._bounded(bucket, group, bc1, d.flat)
-        if bounded is None:
+        bound = self._bound(group, bc1)
+        if bound is None:
             torch._foreach_addcdiv_(u, bucket.views["exp_avg"], d.views, value=-lr / bc1)
             descend_(bucket, bucket.views["exp_avg"], d.views, lr, weight_decay, bc1)
+        elif by_pieces(bucket):
+            self._bounded_local_in_pieces(bucket, d.flat, bound, lr, weight_decay, bc1)
         else:
+            bounded = self._bounded(bucket, group, bc1, d.flat, out=bucket.scratch("bounded"))
             torch._foreach_add_(u, bounded, alpha=-lr / bc1)
             step_by_(bucket, bounded, lr, weight_decay, 1 / bc1)
         bucket.scalars["lr_sum"].add_(lr)
 
-    def _bounded(self, bucket: Bucket, group: dict[str, Any], bc1: float,
-                 denominator: torch.Tensor) -> list[torch.Tensor] | None:
-        """With ``update_bound``: per parameter, ``m / d`` clamped to ``+-update_bound B bc1`` (so
-        that ``(m / bc1) / d`` is within ``+-update_bound B``), in a buffer of its own; else None."""
+    @staticmethod
+    def _bounded_local_in_pieces(bucket: Bucket, denominator: torch.Tensor, bound: float, lr: float,
+                                 weight_decay: float, bc1: float) -> None:
+        """The bounded local step after ``u``'s weight decay, a piece of the flat buffers at a time
+        (:func:`onebit.adam.pieces`): the same operations on each element as with the whole clamped
+        ``m / d`` in a buffer (:meth:`_bounded`, then ``u -= (lr / bc1) r`` and :func:`onebit.adam.step_by_`),
+        without that buffer (4 B/param of phase 2's memory)."""
+        if weight_decay != 0:
+            torch._foreach_mul_(bucket.params, 1.0 - lr * weight_decay)
+        m, u, flats = bucket.buffers["exp_avg"], bucket.buffers["momentum_accumulator"], flat_params(bucket)
+        for where, (piece,), parts in pieces(bucket):
+            ratio = torch.div(m[where], denominator[where], out=piece).clamp_(-bound, bound)
+            ratios = [ratio[within] for _, within, _ in parts]
+            torch._foreach_add_([u[where][within] for _, within, _ in parts], ratios, alpha=-lr / bc1)
+            torch._foreach_add_([flats[index][of_param] for index, _, of_param in parts], ratios, alpha=-lr * (1 / bc1))
+
+    def _bound(self, group: dict[str, Any], bc1: float) -> float | None:
+        """With ``update_bound``: the clamp of ``m / d``, ``update_bound B bc1`` (so that ``(m / bc1) / d``
+        is within ``+-update_bound B``); else None."""
         bound = F.update_bound(self.update_bound, *group["betas"])
+        return None if bound is None else bound * bc1
+
+    def _bounded(self, bucket: Bucket, group: dict[str, Any], bc1: float, denominator: torch.Tensor,
+                 out: torch.Tensor) -> list[torch.Tensor] | None:
+        """With ``update_bound``: per parameter, ``m / d`` clamped (:meth:`_bound`), in ``out``; else None."""
+        bound = self._bound(group, bc1)
         if bound is None:
             return None
-        bound *= bc1
-        ratio = torch.div(bucket.buffers["exp_avg"], denominator, out=bucket.scratch("bounded"))
+        ratio = torch.div(bucket.buffers["exp_avg"], denominator, out=out)
         return bucket.view(ratio.clamp_(-bound, bound))
 
     def _bounded_sync(self, bucket: Bucket, group: dict[str, Any], averaged: torch.Tensor, denominator: torch.Tensor,
-                      totals: list[float], bc1: float) -> torch.Tensor:
+                      totals: list[float], bc1: float) -> None:
         """A sync's move of the sync point, ``avg(u d) / d`` (or ``avg(u)``), clamped per coordinate
         to what the local steps since the last sync could move it by: ``sum(lr) (update_bound B
         / bc1 + weight_decay |theta|)`` (the 1-bit average of a rare coordinate's accumulator is
-        the segment's scale, which a tiny ``d`` would turn into a jump)."""
-        move = bucket.scratch("bounded")
-        if self.compression_space == "preconditioned":
-            move.copy_(averaged)
-        else:
-            torch.div(averaged, denominator, out=move).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        the segment's scale, which a tiny ``d`` would turn into a jump). A piece of the flat
+        buffers at a time (two buffers of a piece's size)."""
+        theta = bucket.buffers["sync_point"]
         bound = F.update_bound(self.update_bound, *group["betas"])
-        if bound is None:
-            return move
-        bound /= bc1
-        limit = bucket.scratch("limit")  # (in place: no temporary of the buffer's size)
-        torch.abs(bucket.buffers["sync_point"], out=limit).mul_(group["weight_decay"]).add_(bound)
-        for total, view in zip(totals, bucket.view(limit)):
-            view.mul_(max(total, 0.0))
-        move.clamp_(min=limit.neg_())  # clamp(x, -l, l) is min(max(x, -l), l)
-        return move.clamp_(max=limit.neg_())
+        for where, (move, limit), parts in pieces(bucket, count=2):
+            if self.compression_space == "preconditioned":
+                move.copy_(averaged[where])
+            else:
+                torch.div(averaged[where], denominator[where], out=move).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            if bound is not None:
+                torch.abs(theta[where], out=limit).mul_(group["weight_decay"]).add_(bound / bc1)
+                for index, within, _ in parts:
+                    limit[within].mul_(max(totals[index], 0.0))
+                move.clamp_(min=limit.neg_())  # clamp(x, -l, l) is min(max(x, -l), l)
+                move.clamp_(max=limit.neg_())
+            theta[where].add_(move)
 
     def _skipped_alone(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
         """A local step this rank skipped (non-finite gradients): its accumulator and parameters
@@ -451,13 +485,13 @@ class ZeroOneAdam(OnebitOptimizer):
         """The first phase-2 step of ``bucket``: the accumulator (zeros) and the sync point (the
         parameters, the same on every rank after phase 1) appear; phase 1's gradient compression
         errors are zeroed (they now track the accumulator) and its scratch buffers freed."""
+        bucket.release_scratch()  # (first: phase 2's buffers do not add to phase 1's)
         self._allocate(bucket, "momentum_accumulator")
         self._allocate(bucket, "sync_point")
         for theta, p in zip(bucket.views["sync_point"], bucket.params):
             theta.copy_(p)
         if bucket.compression is not None:
             bucket.compression.reset_errors_()
-        bucket.release_scratch()
         first = next(b for b in self._buckets if b.compression is not None)
         if self._speaks and bucket is first:
             logger.info("onebit: step %d: variance frozen; local steps with 1-bit syncs from now on",

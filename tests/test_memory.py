@@ -97,22 +97,29 @@ def test_onebit_lamb_holds_what_its_table_says():
 
 
 def test_zero_one_adam_holds_what_its_table_says():
-    params, opt = _build(onebit.ZeroOneAdam, var_freeze_step=4, var_update_scaler=1, local_step_scaler=2,
+    """Phase 1 holds one flat buffer of gradients at a time (a variance step's full-precision one,
+    or a compressed-gradient step's input, which its bounded update reuses); phase 2 holds its
+    state alone: the bounded local step and the sync's clamp run a piece at a time."""
+    params, opt = _build(onebit.ZeroOneAdam, var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
                          local_step_clipper=4)
-    phase_one = {**STATE, **WARMUP_SCRATCH, "_still_denominator._entries.flat": PADDED * F32,
-                 "bucket._scratch[bounded]": PADDED * F32}
-    kinds = []
-    for _ in range(4):  # variance steps, then a compressed-gradient step (its input: the 'grad' buffer, and errors)
+    phase_one = {**STATE, "_still_denominator._entries.flat": PADDED * F32}
+    kinds, held = [], []
+    for _ in range(6):
         kinds.append(opt.phase)
         _step(params, opt)
-    assert kinds[0] == "variance" and "compressed_gradient" in kinds
-    assert _large(held_buffers(opt)) == {**phase_one, **ERRORS, "bucket._scratch[grad]": PADDED * F32}
+        held.append(_large(held_buffers(opt)))
+    assert kinds == ["variance", "compressed_gradient", "variance"] + ["compressed_gradient"] * 3, kinds
+    assert held[0] == {**phase_one, **WARMUP_SCRATCH}
+    assert held[1] == held[5] == {**phase_one, **ERRORS, "bucket._scratch[grad]": PADDED * F32}
+    assert held[2] == {**phase_one, **ERRORS, **WARMUP_SCRATCH}
+    kinds = []
     for _ in range(4):  # phase 2: local steps and syncs; phase 1's scratch released
+        kinds.append(opt.phase)
         _step(params, opt)
+    assert {"local", "sync"} <= set(kinds), kinds
     assert _large(held_buffers(opt)) == {
-        **STATE, **ERRORS, "_still_denominator._entries.flat": PADDED * F32, "bucket._scratch[bounded]": PADDED * F32,
-        "bucket._scratch[limit]": PADDED * F32, "bucket.buffers[momentum_accumulator]": PADDED * F32,
-        "bucket.buffers[sync_point]": PADDED * F32}
+        **STATE, **ERRORS, "_still_denominator._entries.flat": PADDED * F32,
+        "bucket.buffers[momentum_accumulator]": PADDED * F32, "bucket.buffers[sync_point]": PADDED * F32}
 
 
 def test_diloco_allocates_its_errors_at_the_first_outer_step():
@@ -213,3 +220,58 @@ def test_a_bucket_with_a_bfloat16_parameter_keeps_the_whole_direction():
     opt.step()
     (bucket,) = opt._buckets
     assert bucket.padded == bucket.numel and "update" in bucket._scratch
+
+
+def _whole_bounded_sync(opt, bucket, group, averaged, denominator, totals, bc1):
+    """A sync's move of the sync point over the whole buffers, op by op: ``avg(u)`` (or ``avg(u d) /
+    d``, 0 where not finite) clamped to ``+-sum(lr) (update_bound B / bc1 + weight_decay |theta|)``
+    per parameter (the padding's limit not multiplied), added to the sync point."""
+    theta = bucket.buffers["sync_point"]
+    if opt.compression_space == "preconditioned":
+        move = averaged.clone()
+    else:
+        move = torch.div(averaged, denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    bound = onebit.functional.update_bound(opt.update_bound, *group["betas"]) / bc1
+    limit = theta.abs().mul_(group["weight_decay"]).add_(bound)
+    for total, s in zip(totals, bucket.slices):
+        limit[s].mul_(max(total, 0.0))
+    theta.add_(torch.minimum(torch.maximum(move, -limit), limit))
+
+
+def _zero_one_run(monkeypatch, chunk: int, whole: bool, space: str, bias_correction: bool) -> list[torch.Tensor]:
+    from onebit import functional, zoadam
+
+    monkeypatch.setattr(functional, "WIDEN_CHUNK", chunk)
+    if whole:  # the local step's whole-buffer path, and a sync's clamp over the whole buffers
+        monkeypatch.setattr(zoadam, "by_pieces", lambda bucket: False)
+        monkeypatch.setattr(zoadam.ZeroOneAdam, "_bounded_sync", _whole_bounded_sync)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37, 11)), torch.nn.Parameter(torch.randn(301)),
+              torch.nn.Parameter(torch.randn(5))]
+    opt = onebit.ZeroOneAdam(params, lr=1e-2, weight_decay=0.05, var_freeze_step=10, var_update_scaler=2,
+                             local_step_scaler=3, local_step_clipper=4, bias_correction=bias_correction,
+                             compression_space=space, comm_backend_name="local")
+    generator = torch.Generator().manual_seed(1)
+    kinds = set()
+    for t in range(30):
+        for p in params:  # (small gradients now and then: the bound clamps)
+            p.grad = torch.randn(p.shape, generator=generator) * (1e-3 if t % 5 == 0 else 1.0)
+        kinds.add(opt.phase)
+        opt.step()
+    assert kinds == {"variance", "compressed_gradient", "local", "sync"}
+    state = [opt.state[p][key] for p in params for key in ("exp_avg", "momentum_accumulator", "sync_point")]
+    return [p.detach().clone() for p in params] + state
+
+
+@pytest.mark.parametrize("space", ["momentum", "preconditioned"])
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_zero_one_adam_bounded_steps_in_pieces_are_the_whole_buffers_steps(monkeypatch, space, bias_correction):
+    """0/1 Adam's bounded local steps and syncs run a piece of the flat buffers at a time (here 7
+    elements: pieces end inside parameters): parameters and state are those of the whole clamped
+    ``m / d`` in one buffer and of a sync clamped over the whole buffers (written out above), bit
+    for bit."""
+    with monkeypatch.context() as patch:
+        pieces = _zero_one_run(patch, 7, False, space, bias_correction)
+    with monkeypatch.context() as patch:
+        whole = _zero_one_run(patch, 1 << 30, True, space, bias_correction)
+    assert all(torch.equal(a, b) for a, b in zip(pieces, whole))
