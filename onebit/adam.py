@@ -161,6 +161,7 @@ class OnebitAdam(FrozenVarianceOptimizer):
             return
         denominators = self._frozen_denominator.get(bucket, group["eps"], bc2).views
         descend_(bucket, bucket.views["exp_avg"], denominators, group["lr"], group["weight_decay"], bc1)
+        self._release_variance(bucket)
 
 
 def adam_step_(bucket: Bucket, group: dict[str, Any], bc1: float = 1.0, bc2: float = 1.0,

@@ -110,19 +110,26 @@ class FrozenDenominator:
             raise RuntimeError("a bfloat16 preconditioner holds 1 / d only: use inverse()")
         entry = self._current(bucket, eps, bc2)
         if entry is None:
-            v = bucket.buffers["exp_avg_sq"]
+            held = self.held(bucket)  # (another eps: derived again from the variance the held d stands for)
+            v = self.variance(bucket) if held else bucket.buffers["exp_avg_sq"]
             flat = F.adam_denominator_(torch.empty_like(v), v, eps, bc2)
-            entry = self._entries[bucket] = _Frozen((eps, bc2), bucket.version, flat, bucket.view(flat))
+            entry = _Frozen((eps, bc2), bucket.version, flat, bucket.view(flat))
+            if held:  # (what the held entry stands for: 1 / d with it)
+                entry.inverse, entry.held = self._inverse_of(entry.flat, v, bucket.mask), True
+            self._entries[bucket] = entry
         return entry
+
+    @staticmethod
+    def _inverse_of(flat: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return torch.reciprocal(flat).masked_fill_(F.kept_still(v, mask), 0.0)
 
     def preconditioner(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(1 / d, d)``, flat (``d`` None in bfloat16)."""
         if self.dtype != torch.float32:
             return self.inverse(bucket, eps, bc2).inverse, None
         entry = self.get(bucket, eps, bc2)
-        if entry.inverse is None:
-            still = F.kept_still(bucket.buffers["exp_avg_sq"], bucket.mask)
-            entry.inverse = torch.reciprocal(entry.flat).masked_fill_(still, 0.0)
+        if entry.inverse is None:  # (a held entry has it)
+            entry.inverse = self._inverse_of(entry.flat, bucket.buffers["exp_avg_sq"], bucket.mask)
         return entry.inverse, entry.flat
 
     def inverse(self, bucket: Bucket, eps: float, bc2: float = 1.0) -> _Frozen:
@@ -145,16 +152,21 @@ class FrozenDenominator:
         return entry
 
     def hold(self, bucket: Bucket, eps: float, bc2: float) -> None:
-        """Make the bfloat16 ``1 / d`` of ``bucket`` the state itself: the caller releases the
-        variance, which :meth:`variance` gives back when needed (a state dict, a new layout)."""
-        self.inverse(bucket, eps, bc2).held = True
+        """Make the bfloat16 ``1 / d`` of ``bucket`` (float32: ``d`` and ``1 / d``) the state
+        itself: the caller releases the variance, which :meth:`variance` gives back when needed (a
+        state dict, a new layout)."""
+        if self.dtype == torch.float32:
+            self.preconditioner(bucket, eps, bc2)
+            self._entries[bucket].held = True
+        else:
+            self.inverse(bucket, eps, bc2).held = True
 
     def held(self, bucket: Bucket) -> bool:
         entry = self._entries.get(bucket)
         return entry is not None and entry.held
 
     def held_inverse(self, bucket: Bucket) -> torch.Tensor:
-        """The held ``1 / d`` (flat, bfloat16)."""
+        """The held ``1 / d`` (flat; 0 where the variance is)."""
         return self._entries[bucket].inverse
 
     def variance(self, bucket: Bucket, out: torch.Tensor | None = None, where: slice = slice(None)) -> torch.Tensor:
@@ -164,9 +176,12 @@ class FrozenDenominator:
         (a variance of 0, the padding; buckets with a momentum mask are not held). Derived again
         (:meth:`inverse`), it gives the same ``1 / d``, bit for bit: the state dict of a held
         bucket resumes exactly (``tests/test_released_variance.py`` checks every float32 exponent
-        for several ``eps`` and ``bc2``)."""
+        for several ``eps`` and ``bc2``). Of a held float32 ``d``: a variance that gives it, bit
+        for bit (:func:`onebit.functional.variance_of_denominator`)."""
         entry = self._entries[bucket]
         eps, bc2 = entry.key
+        if self.dtype == torch.float32:
+            return F.variance_of_denominator(entry.flat[where], eps, bc2, entry.inverse[where] != 0, out)
         inverse = entry.inverse[where]
         v = torch.empty(inverse.shape, dtype=torch.float32, device=inverse.device) if out is None else out
         for start in range(0, inverse.numel(), _CHUNK):
@@ -203,7 +218,8 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
     _STAGED_PLANS: ClassVar[frozenset[str]] = frozenset({COMPRESSION.name})
     STATE: ClassVar[StateSpec] = StateSpec(buffers=("exp_avg", "exp_avg_sq"), nonnegative=("exp_avg_sq",),
                                            masked="exp_avg", schedule=SCHEDULE)
-    #: Whether nothing but ``1 / d`` is read from the frozen variance in compression (see :meth:`_releases_variance`)
+    #: Whether nothing but ``d`` and ``1 / d`` are read from the frozen variance in compression (see
+    #: :meth:`_releases_variance`)
     _VARIANCE_RELEASED: ClassVar[bool] = False
     #: Whether ``"auto"`` holds the state in bfloat16 in the preconditioned space (see :meth:`_auto_dtype`)
     _COMPACT_BY_DEFAULT: ClassVar[bool] = False
@@ -302,12 +318,18 @@ class FrozenVarianceOptimizer(OnebitOptimizer):
         return self._frozen_denominator.held_inverse(bucket) == 0  # (released, unmasked: 1 / d is 0 there)
 
     def _releases_variance(self, bucket: Bucket) -> bool:
-        """Whether the compressed ``bucket``'s frozen variance is released once compression starts,
-        its bfloat16 ``1 / d`` (2 B/param) held instead of it (4 B/param): a bfloat16
-        preconditioner, in an algorithm that needs nothing else from the frozen variance
-        (``_VARIANCE_RELEASED``), and no momentum mask (``1 / d`` is 0 where it is, which cannot
-        stand for the variance there: a checkpoint loaded without the mask needs it)."""
-        return self._VARIANCE_RELEASED and self.preconditioner_dtype != torch.float32 and bucket.mask is None
+        """Whether the compressed ``bucket``'s frozen variance (4 B/param) is released once
+        compression starts, the ``1 / d`` that the update reads held instead of it: bfloat16 (2
+        B/param) with a bfloat16 preconditioner; float32 ``1 / d`` and ``d`` (held anyway) in the
+        preconditioned space (in the momentum space nothing holds ``1 / d``, which tells where the
+        variance is 0). Only in an algorithm that needs nothing else from the frozen variance
+        (:meth:`_reads_only_denominator`), and with no momentum mask (``1 / d`` is 0 where it is,
+        which cannot stand for the variance there: a checkpoint loaded without the mask needs it)."""
+        held_anyway = self.preconditioner_dtype != torch.float32 or self.compression_space == "preconditioned"
+        return self._reads_only_denominator() and held_anyway and bucket.mask is None
+
+    def _reads_only_denominator(self) -> bool:
+        return self._VARIANCE_RELEASED
 
     def _entering_compression(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:  # (before the keep masks: the warmup's scratch is not the peak's too)

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["adam_moments_", "momentum_", "adam_denominator_", "adam_direction_", "bias_corrections",
+__all__ = ["adam_moments_", "momentum_", "adam_denominator_", "variance_of_denominator", "adam_direction_", "bias_corrections",
            "lamb_trust_ratio", "reconstructed_grad_", "lamb_factor", "adam_largest_ratio", "update_bound", "kept_still"]
 
 
@@ -71,6 +71,56 @@ def adam_denominator_(out: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float, b
     if bc2 != 1.0:
         out.div_(bc2**0.5)
     return out.add_(eps)
+
+
+#: float32's smallest subnormal and largest value; the bits of the first and of +inf, as int32
+_SMALLEST, _FLOAT32_MAX = 2.0**-149, torch.finfo(torch.float32).max
+_SMALLEST_BITS, _INF_BITS = 1, 0x7F800000
+
+
+def variance_of_denominator(denominator: torch.Tensor, eps: float, bc2: float, live: torch.Tensor,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """A float32 variance ``v`` whose :func:`adam_denominator_` is ``denominator``, bit for bit,
+    where ``live``, and 0 elsewhere (flat tensors), of at least float32's smallest subnormal where
+    live (a smaller one would read as a zero variance). ``(d - eps)**2 * bc2`` in float64 or one of
+    its float32 neighbours is one almost everywhere; elsewhere (``d`` near ``eps``, where many
+    variances give one ``d``) a bisection finds the smallest: every operation of
+    :func:`adam_denominator_` rounds monotonically, so the float32 values that give one
+    denominator are a run of consecutive bit patterns. A denominator that no variance gives (NaN)
+    gives NaN; a live coordinate's finite denominator always has one (it was derived from one)."""
+    v = torch.empty(denominator.shape, dtype=torch.float32, device=denominator.device) if out is None else out
+    for start in range(0, denominator.numel(), WIDEN_CHUNK):
+        part = slice(start, start + WIDEN_CHUNK)
+        target = denominator[part]
+        root = target.double().sub_(eps).clamp_(min=0.0)
+        guess = root.mul_(root).mul_(bc2).clamp_(min=_SMALLEST, max=_FLOAT32_MAX).float().view(torch.int32)
+        found = guess.clone()
+        trial = torch.empty(target.shape, dtype=torch.float32, device=target.device)
+        missing = torch.ones(target.shape, dtype=torch.bool, device=target.device)
+        for offset in (0, -1, 1, -2, 2):
+            bits = (guess + offset).clamp_(min=_SMALLEST_BITS, max=_INF_BITS)
+            hit = missing & (adam_denominator_(trial, bits.view(torch.float32), eps, bc2) == target)
+            found = torch.where(hit, bits, found)
+            missing &= ~hit
+        rest = torch.nonzero(missing & ~target.isnan()).squeeze(1)
+        if rest.numel():
+            found[rest] = _first_variance_bits(target[rest], eps, bc2)
+        value = found.view(torch.float32).masked_fill(~live[part], 0.0)
+        v[part].copy_(value.masked_fill_(target.isnan(), float("nan")))
+    return v
+
+
+def _first_variance_bits(target: torch.Tensor, eps: float, bc2: float) -> torch.Tensor:
+    """The bits of the smallest float32 ``v >= 2**-149`` whose :func:`adam_denominator_` reaches ``target``."""
+    low = torch.full(target.shape, _SMALLEST_BITS, dtype=torch.int32, device=target.device)
+    high = torch.full_like(low, _INF_BITS)
+    trial = torch.empty(target.shape, dtype=torch.float32, device=target.device)
+    for _ in range(31):  # (high - low < 2**31: each round halves it)
+        middle = low + (high - low) // 2
+        reached = adam_denominator_(trial, middle.view(torch.float32), eps, bc2) >= target
+        high = torch.where(reached, middle, high)
+        low = torch.where(reached, low, middle + 1)
+    return high
 
 
 def adam_direction_(

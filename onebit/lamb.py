@@ -266,6 +266,10 @@ class OnebitLamb(FrozenVarianceOptimizer):
         coeff = F.lamb_trust_ratio(self._norms(bucket, bucket.params), denominators, group["min_coeff"],
                                    group["max_coeff"])
         self._apply(bucket, updates, coeff, group["lr"])
+        self._release_variance(bucket)
+
+    def _reads_only_denominator(self) -> bool:
+        return self.trust_ratio == "live"  # ("frozen" reads the variance for its factor)
 
     def _direction(self, bucket: Bucket, eps: float, out: torch.Tensor) -> torch.Tensor:
         """``m / d`` into ``out`` (with a bfloat16 preconditioner: ``m * (1 / d)``)."""

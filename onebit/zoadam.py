@@ -34,6 +34,7 @@ class _Still:
     version: int  # the bucket's version it was derived at
     flat: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
+    held: bool = False  # the state itself, the frozen variance released (StillDenominator.hold)
 
 
 class StillDenominator:
@@ -42,7 +43,8 @@ class StillDenominator:
     average cannot be 0): their updates ``m / d`` are 0 on every step, local ones too, at no cost
     per step. Kept for the ``(eps, bc2)`` it was derived with (a variance step writes it afresh:
     :meth:`buffer`, :meth:`fresh`), derived again once the bucket's state changed from outside a
-    step (:meth:`onebit.buckets.Bucket.invalidate`); :meth:`forget` drops everything."""
+    step (:meth:`onebit.buckets.Bucket.invalidate`); :meth:`forget` drops everything. In phase 2
+    it stands for the frozen variance (:meth:`hold`, :meth:`variance`)."""
 
     def __init__(self) -> None:
         self._entries: weakref.WeakKeyDictionary[Bucket, _Still] = weakref.WeakKeyDictionary()
@@ -63,6 +65,12 @@ class StillDenominator:
         """The denominator (``flat``, and per-parameter ``views``) for ``(eps, bc2)``."""
         key = (eps, bc2)
         entry = self._entries.get(bucket)
+        if entry is not None and entry.held:
+            if entry.key != key:  # (another eps: derived again from the variance it stands for)
+                v = self.variance(bucket)
+                F.adam_denominator_(entry.flat, v, *key).masked_fill_(F.kept_still(v), float("inf"))
+                entry.key = key
+            return entry
         if entry is None or entry.version != bucket.version or entry.key != key:
             flat = self.buffer(bucket)
             entry = self._entries[bucket]
@@ -73,6 +81,29 @@ class StillDenominator:
             entry.views = bucket.view(flat)
             entry.key = key
         return entry
+
+    def hold(self, bucket: Bucket, eps: float, bc2: float) -> None:
+        """Make ``bucket``'s denominator for ``(eps, bc2)`` the state itself (a bucket without a
+        momentum mask, whose denominator is ``+inf`` exactly where the variance is 0): the caller
+        releases the frozen variance, which :meth:`variance` gives back when needed."""
+        self.get(bucket, eps, bc2).held = True
+
+    def held(self, bucket: Bucket) -> bool:
+        entry = self._entries.get(bucket)
+        return entry is not None and entry.held
+
+    def held_denominator(self, bucket: Bucket) -> torch.Tensor:
+        """The held denominator (flat; ``+inf`` where the variance is 0)."""
+        return self._entries[bucket].flat
+
+    def variance(self, bucket: Bucket, out: torch.Tensor | None = None, where: slice = slice(None)) -> torch.Tensor:
+        """A frozen variance that the held denominator of ``bucket`` stands for (flat, float32,
+        over ``where`` of the padded buffer, into ``out`` if given): one that derives the same
+        denominator, bit for bit (:func:`onebit.functional.variance_of_denominator`), 0 where it
+        is ``+inf``."""
+        entry = self._entries[bucket]
+        flat = entry.flat[where]
+        return F.variance_of_denominator(flat, *entry.key, torch.isfinite(flat), out)
 
     def forget(self) -> None:
         self._entries.clear()
@@ -317,10 +348,48 @@ class ZeroOneAdam(OnebitOptimizer):
             bucket.views["sync_point"][index].copy_(bucket.params[index])
 
     def _forget(self) -> None:
+        self._bring_back()  # (a load has put it back already: what it loaded stays)
         self._zero_variance.clear()
         self._still_denominator.forget()
+        if self._step > self.var_freeze_step:  # in phase 2: released again now
+            for bucket in self._buckets:
+                self._release_variance(bucket)
+
+    def _releases_variance(self, bucket: Bucket) -> bool:
+        """Whether the compressed ``bucket``'s frozen variance (4 B/param) is released in phase 2,
+        its denominator (held anyway) standing for it: without a momentum mask (the denominator is
+        ``+inf`` where it is, which cannot stand for the variance there: a checkpoint loaded without
+        the mask needs it)."""
+        return bucket.compression is not None and bucket.mask is None
+
+    def _release_variance(self, bucket: Bucket) -> None:
+        """In phase 2, with :meth:`_releases_variance`: hold ``bucket``'s denominator instead of its
+        frozen variance (after its first phase-2 update; after a load or a new layout at once)."""
+        if self._releases_variance(bucket) and "exp_avg_sq" in bucket.buffers:
+            group = self.param_groups[bucket.group_index]
+            self._still_denominator.hold(bucket, group["eps"], self._bias(group, self.var_freeze_step + 1)[1])
+            self._release(bucket, "exp_avg_sq")
+
+    def _bring_back(self) -> None:
+        """The frozen variance of every bucket that released it, derived again from its held
+        denominator, back in the bucket and the state (:meth:`StillDenominator.variance`)."""
+        for bucket in self._buckets:
+            if self._still_denominator.held(bucket) and "exp_avg_sq" not in bucket.buffers:
+                self._allocate(bucket, "exp_avg_sq")
+                self._still_denominator.variance(bucket, out=bucket.buffers["exp_avg_sq"])
+
+    def _released_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """A released variance as the state dict holds it: derived again from the held denominator."""
+        saved: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for bucket in self._buckets:
+            if self._still_denominator.held(bucket) and "exp_avg_sq" not in bucket.buffers:
+                saved.update({p: {"exp_avg_sq": self._still_denominator.variance(bucket, where=s).view(q.shape)}
+                              for p, q, s in zip(bucket.owners, bucket.params, bucket.slices)})
+        return saved
 
     def _dead(self, bucket: Bucket) -> torch.Tensor:
+        if "exp_avg_sq" not in bucket.buffers:  # (released, unmasked: the denominator is +inf there)
+            return torch.isinf(self._still_denominator.held_denominator(bucket))
         dead = bucket.buffers["exp_avg_sq"] == 0
         self._zero_variance[id(bucket)] = int(torch.count_nonzero(dead)) - (bucket.padded - bucket.numel)
         return dead
@@ -419,6 +488,7 @@ class ZeroOneAdam(OnebitOptimizer):
             torch._foreach_add_(u, bounded, alpha=-lr / bc1)
             step_by_(bucket, bounded, lr, weight_decay, 1 / bc1)
         bucket.scalars["lr_sum"].add_(lr)
+        self._release_variance(bucket)
 
     @staticmethod
     def _bounded_local_in_pieces(bucket: Bucket, denominator: torch.Tensor, bound: float, lr: float,

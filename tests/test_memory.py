@@ -68,9 +68,11 @@ def test_onebit_adam_holds_what_its_table_says(space):
     assert _large(held_buffers(opt)) == {**STATE, **WARMUP_SCRATCH}
     _step(params, opt)
     frozen = {"_frozen_denominator._entries.flat": PADDED * F32}
-    if space == "preconditioned":
+    if space == "preconditioned":  # (d and 1 / d stand for the variance, released)
         frozen["_frozen_denominator._entries.inverse"] = PADDED * F32
-    assert _large(held_buffers(opt)) == {**STATE, **ERRORS, **frozen}
+        assert _large(held_buffers(opt)) == {"bucket.buffers[exp_avg]": PADDED * F32, **ERRORS, **frozen}
+    else:
+        assert _large(held_buffers(opt)) == {**STATE, **ERRORS, **frozen}
 
 
 def test_onebit_adam_by_default_holds_its_compact_state():
@@ -91,15 +93,17 @@ def test_onebit_lamb_holds_what_its_table_says():
     _step(params, opt)
     assert _large(held_buffers(opt)) == {**STATE, **WARMUP_SCRATCH}
     _step(params, opt)
-    assert _large(held_buffers(opt)) == {
-        **STATE, **ERRORS, "bucket.buffers[smoothed_update]": PADDED * F32, "bucket._scratch[update]": PADDED * F32,
-        "_frozen_denominator._entries.flat": PADDED * F32, "_frozen_denominator._entries.inverse": PADDED * F32}
+    assert _large(held_buffers(opt)) == {  # (the live trust ratio: d and 1 / d stand for the variance, released)
+        "bucket.buffers[exp_avg]": PADDED * F32, **ERRORS, "bucket.buffers[smoothed_update]": PADDED * F32,
+        "bucket._scratch[update]": PADDED * F32, "_frozen_denominator._entries.flat": PADDED * F32,
+        "_frozen_denominator._entries.inverse": PADDED * F32}
 
 
 def test_zero_one_adam_holds_what_its_table_says():
     """Phase 1 holds one flat buffer of gradients at a time (a variance step's full-precision one,
     or a compressed-gradient step's input, which its bounded update reuses); phase 2 holds its
-    state alone: the bounded local step and the sync's clamp run a piece at a time."""
+    state alone (the frozen variance as its denominator): the bounded local step and the sync's
+    clamp run a piece at a time."""
     params, opt = _build(onebit.ZeroOneAdam, var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
                          local_step_clipper=4)
     phase_one = {**STATE, "_still_denominator._entries.flat": PADDED * F32}
@@ -117,8 +121,8 @@ def test_zero_one_adam_holds_what_its_table_says():
         kinds.append(opt.phase)
         _step(params, opt)
     assert {"local", "sync"} <= set(kinds), kinds
-    assert _large(held_buffers(opt)) == {
-        **STATE, **ERRORS, "_still_denominator._entries.flat": PADDED * F32,
+    assert _large(held_buffers(opt)) == {  # (the frozen variance released: its denominator stands for it)
+        "bucket.buffers[exp_avg]": PADDED * F32, **ERRORS, "_still_denominator._entries.flat": PADDED * F32,
         "bucket.buffers[momentum_accumulator]": PADDED * F32, "bucket.buffers[sync_point]": PADDED * F32}
 
 

@@ -10,13 +10,15 @@ derives the same ``1 / d`` from it: releasing must change no bit of a run."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
 import torch
 
 from conftest import tiny_mlp
-from onebit import OnebitAdam, OnebitLamb
+from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from onebit.frozen import FrozenVarianceOptimizer
 
 BF16 = torch.bfloat16
 
@@ -26,6 +28,10 @@ def _inverse(v: torch.Tensor, eps: float, bc2: float) -> torch.Tensor:
     if bc2 != 1.0:
         d = d / bc2**0.5
     return torch.reciprocal(d + eps).masked_fill_(v == 0, 0.0).to(BF16)
+
+
+def _denominator(v: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    return torch.sqrt(v) + eps
 
 
 def _variance_sweep() -> torch.Tensor:
@@ -65,12 +71,18 @@ def test_the_saved_variance_derives_the_held_inverse_bit_for_bit(eps, freeze_ste
     assert torch.allclose(saved[clear], v[clear], rtol=2**-6, atol=0)
 
 
-def _train(release: bool, monkeypatch, **kwargs):
+def _maybe(release, releases):
+    return lambda opt, bucket: release and releases(opt, bucket)
+
+
+def _train(release: bool, monkeypatch, build=None, **kwargs):
     """A run through every path that reads the state from outside a step: a copy, a layer frozen
     and unfrozen (a new layout), and an exact resume from the state dict into a new optimizer."""
-    monkeypatch.setattr(OnebitAdam, "_VARIANCE_RELEASED", release)
+    build = build or _compact
+    for cls in (FrozenVarianceOptimizer, ZeroOneAdam):
+        monkeypatch.setattr(cls, "_releases_variance", _maybe(release, cls._releases_variance))
     model = tiny_mlp(6, 16, 3)
-    opt = _compact(model.parameters(), freeze_step=3, weight_decay=0.01, **kwargs)
+    opt = build(model.parameters(), freeze_step=3, weight_decay=0.01, **kwargs)
     trajectory, variance_held = [], []
 
     def step(t):
@@ -94,7 +106,7 @@ def _train(release: bool, monkeypatch, **kwargs):
     for t in range(10, 12):
         step(t)
     saved, errors = opt.state_dict(), [(w.clone(), s.clone()) for w, s in opt.compression_errors()]
-    opt = _compact(model.parameters(), freeze_step=3, weight_decay=0.01, **kwargs)
+    opt = build(model.parameters(), freeze_step=3, weight_decay=0.01, **kwargs)
     opt.restore(saved, errors)
     for t in range(12, 15):
         step(t)
@@ -118,9 +130,54 @@ def test_releasing_the_variance_changes_no_bit(extra, monkeypatch):
         assert torch.equal(_inverse(entry_r["exp_avg_sq"], 1e-8, 1.0), _inverse(entry_k["exp_avg_sq"], 1e-8, 1.0))
 
 
+def _wide_adam(params, **kwargs):
+    return OnebitAdam(params, lr=1e-3, comm_backend_name="local", preconditioner_dtype=torch.float32, **kwargs)
+
+
+@functools.cache
+def _lamb(dtype):
+    def build(params, **kwargs):
+        return OnebitLamb(params, lr=1e-3, comm_backend_name="local", preconditioner_dtype=dtype, **kwargs)
+    return build
+
+
+@functools.cache
+def _zero_one(space):
+    def build(params, freeze_step, **kwargs):
+        return ZeroOneAdam(params, lr=1e-3, comm_backend_name="local", var_freeze_step=freeze_step, var_update_scaler=1,
+                           local_step_scaler=2, local_step_clipper=4, compression_space=space, **kwargs)
+    return build
+
+
+@pytest.mark.parametrize("build", [_wide_adam, _lamb(torch.float32), _lamb(BF16), _zero_one("momentum"),
+                                   _zero_one("preconditioned")],
+                         ids=["adam-float32", "lamb-float32", "lamb-bfloat16", "zero-one", "zero-one-preconditioned"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_releasing_a_variance_that_d_and_its_inverse_stand_for_changes_no_bit(build, overlap, monkeypatch):
+    """A float32 preconditioner holds ``d`` and ``1 / d`` in the preconditioned space: they stand for
+    the variance, released (1-bit LAMB's live trust ratio reads nothing else either); 0/1 Adam's
+    denominator stands for it in phase 2. The saved variance is one that gives the same ``d``, bit
+    for bit (:func:`onebit.functional.variance_of_denominator`)."""
+    released, held_r, saved_r = _train(True, monkeypatch, build, overlap_backward=overlap)
+    kept, held_k, saved_k = _train(False, monkeypatch, build, overlap_backward=overlap)
+    for t, (a, b) in enumerate(zip(released, kept), start=1):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), t
+    assert held_k == [True] * len(held_k)
+    assert held_r == [True] * 3 + [False] * (len(held_r) - 3)
+    for entry_r, entry_k in zip(saved_r["state"].values(), saved_k["state"].values()):
+        assert entry_r.keys() == entry_k.keys()
+        assert torch.equal(entry_r["exp_avg"], entry_k["exp_avg"])
+        if build is _lamb(BF16):  # (what a bfloat16 preconditioner holds: 1 / d, rounded once)
+            assert torch.equal(_inverse(entry_r["exp_avg_sq"], 1e-8, 1.0), _inverse(entry_k["exp_avg_sq"], 1e-8, 1.0))
+        else:
+            assert torch.equal(_denominator(entry_r["exp_avg_sq"]), _denominator(entry_k["exp_avg_sq"]))
+        assert torch.equal(entry_r["exp_avg_sq"] == 0, entry_k["exp_avg_sq"] == 0)
+
+
 def test_the_released_variance_holds_two_bytes_a_parameter_instead_of_four(monkeypatch):
     def held(release):
-        monkeypatch.setattr(OnebitAdam, "_VARIANCE_RELEASED", release)
+        releases = FrozenVarianceOptimizer._releases_variance
+        monkeypatch.setattr(FrozenVarianceOptimizer, "_releases_variance", lambda opt, b: release and releases(opt, b))
         p = torch.nn.Parameter(torch.zeros(1000))
         opt = _compact([p], freeze_step=1)
         for _ in range(2):
@@ -164,21 +221,29 @@ def test_loads_into_and_out_of_float32_state():
     saved = narrow.state_dict()
     back = OnebitAdam(model.parameters(), lr=1e-3, comm_backend_name="local", freeze_step=2,
                       preconditioner_dtype=torch.float32)
-    back.load_state_dict(saved)
+    back.load_state_dict(saved)  # (in compression: the float32 d and 1 / d held, the variance released too)
+    resaved = back.state_dict()
     for i, p in enumerate(model.parameters()):
-        assert torch.equal(back.state[p]["exp_avg_sq"], saved["state"][i]["exp_avg_sq"])
+        assert "exp_avg_sq" not in back.state[p]
+        again, loaded = resaved["state"][i]["exp_avg_sq"], saved["state"][i]["exp_avg_sq"]
+        assert torch.equal(_denominator(again), _denominator(loaded))  # (the same float32 d and 1 / d: exact)
+        assert torch.equal(again == 0, loaded == 0)
         v, w = wide.state_dict()["state"][i]["exp_avg_sq"], saved["state"][i]["exp_avg_sq"]
         assert torch.allclose(w, v, rtol=2**-6, atol=math.sqrt(1e-8) * 1e-6)
 
 
-def test_lamb_keeps_its_variance():
-    """1-bit LAMB reads the frozen variance itself (its frozen rule, its fresh variance): not released."""
-    model = tiny_mlp(6, 16, 3)
-    opt = OnebitLamb(model.parameters(), lr=1e-3, comm_backend_name="local", freeze_step=1, preconditioner_dtype=BF16)
-    for _ in range(3):
-        model(torch.randn(4, 6)).square().mean().backward()
-        opt.step()
-    assert all("exp_avg_sq" in opt.state[p] for p in model.parameters())
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_lamb_keeps_its_variance_for_the_frozen_rule_only(dtype):
+    """1-bit LAMB's frozen rule reads the frozen variance itself (its factor, its fresh variance):
+    kept; the live trust ratio reads ``d`` and ``1 / d`` alone: released."""
+    for rule, kept in (("frozen", True), ("live", False)):
+        model = tiny_mlp(6, 16, 3)
+        opt = OnebitLamb(model.parameters(), lr=1e-3, comm_backend_name="local", freeze_step=1,
+                         preconditioner_dtype=dtype, trust_ratio=rule)
+        for _ in range(3):
+            model(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+        assert all(("exp_avg_sq" in opt.state[p]) == kept for p in model.parameters()), rule
 
 
 def test_a_bucket_with_a_momentum_mask_keeps_its_variance():
@@ -226,3 +291,22 @@ def test_loads_that_change_the_numerics_say_so(caplog):
     text = caplog.text
     assert "restores compression_space='momentum'" in text and "float32" in text
     assert "rounded from torch.float32 to torch.bfloat16: not an exact resume" in text
+
+
+@pytest.mark.parametrize("eps", [1e-8, 1e-3, 1e-20, 1.0])
+@pytest.mark.parametrize("bc2", [1.0, 1 - 0.999**3, 0.5])
+def test_a_float32_denominator_gives_back_a_variance_of_the_same_denominator(eps, bc2, monkeypatch):
+    """:func:`onebit.functional.variance_of_denominator` over every float32 exponent (normal and
+    subnormal, largest and 0), in pieces of 4099 elements: ``sqrt(v') / sqrt(bc2) + eps`` is the
+    given ``d`` bit for bit, ``v'`` is 0 exactly where the variance was (``live`` says where), and
+    ``v'`` is ``v`` itself where ``d`` resolves it."""
+    from onebit import functional
+
+    monkeypatch.setattr(functional, "WIDEN_CHUNK", 4099)
+    v = _variance_sweep()
+    d = functional.adam_denominator_(torch.empty_like(v), v, eps, bc2)
+    again = functional.variance_of_denominator(d, eps, bc2, v != 0)
+    assert torch.equal(functional.adam_denominator_(torch.empty_like(again), again, eps, bc2), d)
+    assert torch.equal(again == 0, v == 0) and bool((again >= 0).all())
+    clear = (v.sqrt() > 1e4 * eps) & (v > 1e-30) & (v < 1e30)
+    assert clear.sum() > 1000 and torch.allclose(again[clear], v[clear], rtol=1e-6, atol=0)

@@ -52,9 +52,11 @@ def _train(model, opt, rank: int, steps: range) -> None:
 
 
 def _snapshot(model, opt) -> dict:
+    """The parameters and the state as saved (a variance released in phase 2: the one its denominator stands for)."""
+    saved = opt.state_dict()["state"]
     return {"params": [p.detach().clone() for p in model.parameters()],
-            "state": {name: [opt.state[p][name].clone() for p in model.parameters()]
-                      for name in opt.state[next(model.parameters())]},
+            "state": {name: [saved[i][name].clone() for i in range(len(saved))]
+                      for name in saved[0] if isinstance(saved[0][name], torch.Tensor)},
             "step": opt.step_count}
 
 
@@ -93,7 +95,7 @@ def _restart(rank: int, path: str, k: int, exact: bool) -> dict:
     onebit.load_checkpoint(path, opt, model=model, exact_resume=exact)
     loaded = _snapshot(model, opt)
     plans = "".join(_letter(opt.plan_for(s).name) for s in range(k + 1, STEPS + 1))
-    variance = opt.state[next(model.parameters())]["exp_avg_sq"].clone()
+    variance = opt.state_dict()["state"][0]["exp_avg_sq"].clone()
     trajectory = []
     for s in range(k + 1, STEPS + 1):
         _train(model, opt, rank, range(s, s + 1))
