@@ -75,14 +75,17 @@ def _nbytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-#: 1-bit Adam's state as AdamW's (float32 moments in ``optimizer.state``, what :func:`state_bytes`
-#: counts), not its compact defaults: the comparison is of the layouts' sharding
+#: 1-bit Adam's state as AdamW's (float32 moments, what :func:`state_bytes` counts), not its compact
+#: defaults: the comparison is of the layouts' sharding
 FLOAT32_STATE = {"preconditioner_dtype": torch.float32, "error_dtype": torch.float32}
 
 
 def state_bytes(optimizer) -> int:
-    """Every tensor in ``optimizer.state`` (a DTensor's local shard), as this rank holds it."""
-    return _nbytes(t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor))
+    """Every tensor of the optimizer's state as its state dict saves it (a DTensor's local shard),
+    on this rank: the moments, as AdamW's (1-bit Adam holds its frozen variance as ``d`` and ``1 /
+    d`` after the switch, which ``optimizer.state`` does not show)."""
+    saved = optimizer.state_dict()["state"]
+    return _nbytes(t for entry in saved.values() for t in entry.values() if isinstance(t, torch.Tensor))
 
 
 def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -142,7 +145,7 @@ class Config:
         out = {"params_local_numel": sum(_local(p).numel() for p in self.model.parameters()),
                "params_local_bytes": _nbytes(p.detach() for p in self.model.parameters()),
                "state_bytes": state_bytes(self.optimizer),
-               "state_keys": sorted({k for entry in self.optimizer.state.values() for k in entry})}
+               "state_keys": sorted({k for entry in self.optimizer.state_dict()["state"].values() for k in entry})}
         if self.onebit:
             out["error_bytes"] = _nbytes(t for pair in self.optimizer.compression_errors() for t in pair)
         return out

@@ -364,7 +364,7 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _release_variance(self, bucket: Bucket) -> None:
         """In phase 2, with :meth:`_releases_variance`: hold ``bucket``'s denominator instead of its
-        frozen variance (after its first phase-2 update; after a load or a new layout at once)."""
+        frozen variance (as phase 2 begins; after a load or a new layout at once)."""
         if self._releases_variance(bucket) and "exp_avg_sq" in bucket.buffers:
             group = self.param_groups[bucket.group_index]
             self._still_denominator.hold(bucket, group["eps"], self._bias(group, self.var_freeze_step + 1)[1])
@@ -552,10 +552,12 @@ class ZeroOneAdam(OnebitOptimizer):
             bucket.scalars["lr_sum"].add_(group["lr"])
 
     def _enter_phase_two(self, bucket: Bucket) -> None:
-        """The first phase-2 step of ``bucket``: the accumulator (zeros) and the sync point (the
-        parameters, the same on every rank after phase 1) appear; phase 1's gradient compression
-        errors are zeroed (they now track the accumulator) and its scratch buffers freed."""
-        bucket.release_scratch()  # (first: phase 2's buffers do not add to phase 1's)
+        """The first phase-2 step of ``bucket``: phase 1's scratch buffers are freed and the frozen
+        variance released (:meth:`_release_variance`), then the accumulator (zeros) and the sync
+        point (the parameters, the same on every rank after phase 1) appear; phase 1's gradient
+        compression errors are zeroed (they now track the accumulator)."""
+        bucket.release_scratch()  # (first: phase 2's buffers do not add to phase 1's, nor to the variance)
+        self._release_variance(bucket)
         self._allocate(bucket, "momentum_accumulator")
         self._allocate(bucket, "sync_point")
         for theta, p in zip(bucket.views["sync_point"], bucket.params):

@@ -208,7 +208,10 @@ def _hsdp(rank: int, world: int) -> dict:
             now = _locals(model)
             out["identical"].append(_same_over(replicate, now))
             if rule == "live":
-                states = [lamb.state[q] for q in model.parameters()]
+                saved = lamb.state_dict()["state"]  # (the variance as saved: released, d stands for it)
+                order = [id(q) for group in lamb.param_groups for q in group["params"]]
+                states = [{k: v.to_local() if hasattr(v, "to_local") else v for k, v in saved[order.index(id(q))].items()}
+                          for q in model.parameters()]
                 directions = [s["exp_avg"] / (s["exp_avg_sq"].sqrt() + EPS) + WD * b for s, b in zip(states, before[0])]
                 smoothed = [s["smoothed_update"] + WD * b for s, b in zip(states, before[0])]
                 for key, norm in (("live_step_error", lambda ts: _whole_norms(ts, mesh["shard"].get_group())),
