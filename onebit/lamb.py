@@ -112,7 +112,10 @@ class OnebitLamb(FrozenVarianceOptimizer):
         trust_ratio: ``"live"`` (default): each compression step's own ratio, from ``u`` averaged
             over steps (the buffer ``smoothed_update``, from the first compression step on); or
             ``"frozen"``: DeepSpeed's averaged warmup ratio times ``f``. A checkpoint's rule wins
-            over the constructor's (one without it was saved under ``"frozen"``).
+            over the constructor's (one without it was saved under ``"frozen"``). ``"live"`` reads
+            the frozen variance through ``d`` and ``1 / d`` alone, which stand for it after the
+            switch: it is released as 1-bit Adam's is (in the preconditioned space, or with a
+            bfloat16 preconditioner).
         compression_space: ``"preconditioned"`` (default) or ``"momentum"`` (DeepSpeed's
             numerics): as for :class:`onebit.OnebitAdam`.
         update_bound: ``"auto"`` (default), ``None`` or ``c > 0``: as for :class:`onebit.OnebitAdam`.

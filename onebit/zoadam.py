@@ -138,7 +138,11 @@ class ZeroOneAdam(OnebitOptimizer):
     parameters ``p_sync + u_avg / (sqrt(v) + eps)``, from the parameters ``p_sync`` of the last
     sync (kept, so every rank lands on the same bits). The sync interval is 1 for
     ``local_step_scaler`` steps, then doubles every ``local_step_scaler`` steps up to
-    ``local_step_clipper``. The ranks' parameters differ between syncs, by design.
+    ``local_step_clipper``. The ranks' parameters differ between syncs, by design. From phase 2 on
+    the denominator ``sqrt(v / bc2) + eps`` (``+inf`` where ``v`` is 0) stands for the frozen
+    variance, which is released (buckets without a momentum mask): ``optimizer.state[p]`` holds
+    no ``exp_avg_sq`` then, and ``state_dict()`` saves one that derives the same denominator, bit
+    for bit (changing ``eps`` or ``betas`` in phase 2 derives it again from that one).
 
     The plan of every step comes from the step number alone (:attr:`next_plan`; names as above, and
     ``comm_stats()`` counts each), so it is the same on every rank and after any resume. Numerics

@@ -55,8 +55,7 @@ def _snapshot(model, opt) -> dict:
     """The parameters and the state as saved (a variance released in phase 2: the one its denominator stands for)."""
     saved = opt.state_dict()["state"]
     return {"params": [p.detach().clone() for p in model.parameters()],
-            "state": {name: [saved[i][name].clone() for i in range(len(saved))]
-                      for name in saved[0] if isinstance(saved[0][name], torch.Tensor)},
+            "state": {name: [torch.as_tensor(saved[i][name]).clone() for i in range(len(saved))] for name in saved[0]},
             "step": opt.step_count}
 
 
