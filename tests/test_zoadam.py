@@ -17,6 +17,7 @@ from conftest import seeded_params, tiny_mlp
 from distributed import one_thread, run_ranks
 from onebit import LocalBackend, OnebitAdam, StepPlan, ZeroOneAdam
 from onebit.engine import DEFAULT_BUCKET_SIZE
+from onebit.functional import adam_largest_ratio
 from onebit.integrations import attach_ddp
 from onebit.testing import simulate_compressed_allreduce
 from onebit.zoadam import COMPRESSED_GRADIENT, LOCAL, SYNC, VARIANCE, is_variance_step, sync_interval, variance_updates
@@ -232,7 +233,7 @@ def _optimizer(net: Net, backend: str | None, bucket_size: int = BUCKET, uncompr
 
 
 def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool = False,
-           uncompressed: bool = False, space: str = "momentum") -> dict:
+           uncompressed: bool = False, space: str = "momentum", bound: float | None = None) -> dict:
     """0/1 Adam for ``n`` simulated ranks, tensor by tensor, from ZeroOneAdam's docstring, with
     DeepSpeed's schedule (``deepspeed_schedule``, call ``t = s + shift``). Each tensor's 1-bit
     all-reduce is ``simulate_compressed_allreduce`` of that tensor alone; its result is 0 where
@@ -248,9 +249,19 @@ def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool 
 
     ``ignore_gradient``: at n = 1, leave the momentum alone on compressed-gradient steps (DeepSpeed's
     defect Q2). ``uncompressed``: group 1 is ``compress=False``: Adam on the averaged gradient at
-    every step. Returns every rank's parameters after each step and the final state."""
+    every step. ``bound``: ``update_bound`` (no bias correction here: ``bc1`` is 1): each step's
+    ``m / d`` clamped to ``+-B`` (``B = bound * adam_largest_ratio(betas)``), and a sync's move of
+    the sync point to ``+-sum(lr) (B + wd |theta|)``. Returns every rank's parameters after each
+    step, the final state and how many coordinates the bound clamped."""
     kinds, _ = deepspeed_schedule(T_V, KAPPA, ALPHA, H_MAX, steps, shift)
     b1, b2 = BETAS
+    B = None if bound is None else bound * adam_largest_ratio(b1, b2)
+    clamped = [0]
+
+    def clamp(x, limit):
+        out = torch.minimum(torch.maximum(x, -limit), limit)
+        clamped[0] += int((out != x).sum())
+        return out
     with one_thread():
         net = Net()
         params = list(net.parameters())
@@ -328,7 +339,10 @@ def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool 
                             m[r][i] = torch.lerp(m[r][i], averaged, 1 - b1)
                         if wd:
                             P[r][i] = P[r][i] * (1.0 - lr * wd)
-                        P[r][i] = torch.addcdiv(P[r][i], m[r][i], d, value=-lr)
+                        if B is None:
+                            P[r][i] = torch.addcdiv(P[r][i], m[r][i], d, value=-lr)
+                        else:
+                            P[r][i] = torch.add(P[r][i], clamp(m[r][i] / d, torch.tensor(B)), alpha=-lr)
                 else:  # phase 2: a local step on every rank, then (sync) the 1-bit average of u (sqrt(v) + eps)
                     # Masked and zero-variance coordinates do not move: their denominator is +inf.
                     keep = v[i] != 0
@@ -344,20 +358,34 @@ def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool 
                             m[r][i] = m[r][i] * float_mask[i]
                         if wd:
                             u[r][i] = torch.add(u[r][i], P[r][i], alpha=-lr * wd)
-                        u[r][i] = torch.addcdiv(u[r][i], m[r][i], d, value=-lr)
+                        ratio = None if B is None else clamp(m[r][i] / d, torch.tensor(B))
+                        if B is None:
+                            u[r][i] = torch.addcdiv(u[r][i], m[r][i], d, value=-lr)
+                        else:
+                            u[r][i] = torch.add(u[r][i], ratio, alpha=-lr)
                         if wd:
                             P[r][i] = P[r][i] * (1.0 - lr * wd)
-                        P[r][i] = torch.addcdiv(P[r][i], m[r][i], d, value=-lr)
+                        if B is None:
+                            P[r][i] = torch.addcdiv(P[r][i], m[r][i], d, value=-lr)
+                        else:
+                            P[r][i] = torch.add(P[r][i], ratio, alpha=-lr)
                     if kind == "sync":
+                        total = lr_sum[g_index]
                         if space == "preconditioned":
                             averaged, _ = one_bit(i, [torch.where(keep, u[r][i], 0.0) for r in range(n)])
-                            theta[i] = theta[i] + averaged
-                            averaged = torch.nan_to_num(averaged * d, nan=0.0, posinf=0.0, neginf=0.0)
+                            move = averaged
                         else:
                             averaged, _ = one_bit(i, [torch.nan_to_num(u[r][i] * d, nan=0.0, posinf=0.0, neginf=0.0)
                                                       for r in range(n)])
+                            move = torch.nan_to_num(averaged / d, nan=0.0, posinf=0.0, neginf=0.0)
+                        if B is not None:  # what the local steps since the last sync could move it by
+                            theta[i] = theta[i] + clamp(move, (theta[i].abs() * wd + B) * max(total, 0.0))
+                        elif space == "preconditioned":
+                            theta[i] = theta[i] + averaged
+                        else:
                             theta[i] = torch.addcdiv(theta[i], averaged, d)
-                        total = lr_sum[g_index]
+                        if space == "preconditioned":
+                            averaged = torch.nan_to_num(averaged * d, nan=0.0, posinf=0.0, neginf=0.0)
                         momentum = torch.div(averaged, -total) if total > 0 else torch.zeros_like(averaged)
                         for r in range(n):
                             m[r][i] = momentum.clone()
@@ -366,7 +394,8 @@ def oracle(n: int, steps: int = STEPS, *, shift: int = 1, ignore_gradient: bool 
             if kind == "sync":
                 lr_sum = [0.0, 0.0]
             snapshots.append([[x.clone() for x in P[r]] for r in range(n)])
-    return {"kinds": kinds, "snapshots": snapshots, "m": m, "v": v, "u": u, "theta": theta, "lr_sum": lr_sum}
+    return {"kinds": kinds, "snapshots": snapshots, "m": m, "v": v, "u": u, "theta": theta, "lr_sum": lr_sum,
+            "clamped": clamped[0]}
 
 
 def _identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -378,9 +407,9 @@ def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def _train_rank(rank: int, world_size: int, backend: str, bucket_size: int = BUCKET, uncompressed: bool = False,
-                steps: int = STEPS, space: str = "momentum") -> dict:
+                steps: int = STEPS, space: str = "momentum", update_bound: float | None = None) -> dict:
     net = Net()
-    opt = _optimizer(net, backend, bucket_size, uncompressed, compression_space=space)
+    opt = _optimizer(net, backend, bucket_size, uncompressed, compression_space=space, update_bound=update_bound)
     kinds, snapshots, identical, untouched, per_step, state_keys = [], [], [], [], [], []
     for s in range(1, steps + 1):
         for g, group in enumerate(opt.param_groups):
@@ -406,10 +435,11 @@ def _train_rank(rank: int, world_size: int, backend: str, bucket_size: int = BUC
             "step_count": opt.step_count}
 
 
-def _check_against_oracle(results: list[dict], n: int, uncompressed: bool = False, space: str = "momentum") -> dict:
+def _check_against_oracle(results: list[dict], n: int, uncompressed: bool = False, space: str = "momentum",
+                          bound: float | None = None) -> dict:
     """Every rank equals the oracle bit for bit: the kinds of step, the parameters after every
     step, and the final state (momentum, variance, accumulator, sync point, lr sum)."""
-    expected = oracle(n, uncompressed=uncompressed, space=space)
+    expected = oracle(n, uncompressed=uncompressed, space=space, bound=bound)
     for rank, result in enumerate(results):
         assert result["kinds"] == KINDS
         assert all(result["untouched"]), rank  # step() never writes p.grad
@@ -496,6 +526,16 @@ def test_three_gloo_ranks_match_the_oracle(tmp_path):
 
 def test_local_backend_matches_the_oracle_for_one_rank():
     _check_against_oracle([_train_rank(0, 1, "local")], 1)
+
+
+@pytest.mark.parametrize("space", ["momentum", "preconditioned"])
+def test_the_bounded_steps_match_the_oracle_for_one_rank(space):
+    """``update_bound=1`` (the default): the clamped updates of compressed-gradient and local
+    steps and the clamped moves of syncs, bit for bit (the optimizer runs them a piece of its flat
+    buffers at a time; the oracle tensor by tensor)."""
+    expected = _check_against_oracle([_train_rank(0, 1, "local", space=space, update_bound=1.0)], 1, space=space,
+                                     bound=1.0)
+    assert expected["clamped"] > 0  # (the bound moved something: these runs are not the unbounded ones)
 
 
 def test_preconditioned_space_matches_its_oracle_for_one_rank():
