@@ -109,6 +109,14 @@ class StillDenominator:
         self._entries.clear()
 
 
+def _gradients(bucket: Bucket) -> torch.Tensor:
+    """Phase 1's flat buffer of gradients (padded layout): a compressed-gradient step's input, and
+    its bounded update after the average, go where a variance step's averaged gradient lands (the
+    full-precision all-reduce's buffer where nothing is padded, else the one it is spread into):
+    one buffer for both kinds of step, kept between them."""
+    return bucket.wire()[:bucket.numel] if bucket.padded == bucket.numel else bucket.scratch("update")
+
+
 def _int_setting(name: str) -> Setting:
     return Setting(name, lambda value: check_int(name, value, 1))
 
@@ -304,17 +312,6 @@ class ZeroOneAdam(OnebitOptimizer):
         k = variance_updates(min(t, self.var_freeze_step), self.var_update_scaler)
         return F.bias_corrections(t, k, *group["betas"], group["bias_correction"])
 
-    def _schedule_step(self, t: int) -> None:
-        """Phase 1 holds one flat buffer of its gradients at a time: a variance step's full-precision
-        one (``wire``, and ``update`` where padded) or a compressed-gradient step's (``grad``, which
-        its bounded update reuses); the other plan's is released when the plan changes."""
-        if t > self.var_freeze_step:
-            return
-        unused = ("grad",) if self.plan_for(t) is VARIANCE else ("wire", "wire_low", "update")
-        for bucket in self._buckets:
-            if bucket.compression is not None:
-                bucket.release_scratch(*unused)
-
     # ----------------------------------------------------------------- phase 1
 
     def _update_averaged(self, bucket: Bucket, group: dict[str, Any], t: int) -> None:
@@ -408,7 +405,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 return u.masked_fill_(torch.isinf(denominator), 0.0)
             # Where the denominator is infinite (coordinates kept still, the padding) send 0, not inf or NaN.
             return u.mul_(denominator).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        buffer = bucket.scratch("grad")  # a compressed-gradient step: the local gradients (divided by d)
+        buffer = _gradients(bucket)  # a compressed-gradient step: the local gradients (divided by d)
         for view, g in zip(bucket.view(buffer), grads):
             view.zero_() if g is None else view.copy_(g)
         return buffer.div_(denominator) if self.compression_space == "preconditioned" else buffer

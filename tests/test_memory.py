@@ -100,10 +100,10 @@ def test_onebit_lamb_holds_what_its_table_says():
 
 
 def test_zero_one_adam_holds_what_its_table_says():
-    """Phase 1 holds one flat buffer of gradients at a time (a variance step's full-precision one,
-    or a compressed-gradient step's input, which its bounded update reuses); phase 2 holds its
-    state alone (the frozen variance as its denominator): the bounded local step and the sync's
-    clamp run a piece at a time."""
+    """Phase 1's compressed-gradient steps take their input, and write their bounded update, where
+    a variance step's averaged gradient lands (here, padded: the buffer it is spread into); phase 2
+    holds its state alone (the frozen variance as its denominator): the bounded local step and the
+    sync's clamp run a piece at a time."""
     params, opt = _build(onebit.ZeroOneAdam, var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
                          local_step_clipper=4)
     phase_one = {**STATE, "_still_denominator._entries.flat": PADDED * F32}
@@ -114,8 +114,7 @@ def test_zero_one_adam_holds_what_its_table_says():
         held.append(_large(held_buffers(opt)))
     assert kinds == ["variance", "compressed_gradient", "variance"] + ["compressed_gradient"] * 3, kinds
     assert held[0] == {**phase_one, **WARMUP_SCRATCH}
-    assert held[1] == held[5] == {**phase_one, **ERRORS, "bucket._scratch[grad]": PADDED * F32}
-    assert held[2] == {**phase_one, **ERRORS, **WARMUP_SCRATCH}
+    assert held[1] == held[2] == held[5] == {**phase_one, **ERRORS, **WARMUP_SCRATCH}
     kinds = []
     for _ in range(4):  # phase 2: local steps and syncs; phase 1's scratch released
         kinds.append(opt.phase)
@@ -279,3 +278,16 @@ def test_zero_one_adam_bounded_steps_in_pieces_are_the_whole_buffers_steps(monke
     with monkeypatch.context() as patch:
         whole = _zero_one_run(patch, 1 << 30, True, space, bias_correction)
     assert all(torch.equal(a, b) for a, b in zip(pieces, whole))
+
+
+def test_zero_one_adam_phase_one_holds_one_buffer_of_gradients_where_nothing_is_padded():
+    """Unpadded: a compressed-gradient step's input is the full-precision all-reduce's own buffer,
+    kept between the kinds of step (no other buffer of the bucket's size)."""
+    params = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(1024))]
+    opt = onebit.ZeroOneAdam(params, var_freeze_step=6, var_update_scaler=1, comm_backend_name="local")
+    for _ in range(6):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        (bucket,) = opt._buckets
+        assert bucket.padded == bucket.numel and set(bucket._scratch) == {"wire"}, set(bucket._scratch)
