@@ -224,10 +224,14 @@ class Bucket:
 
     def release_scratch(self, *names: str) -> None:
         """Free the scratch buffers ``names`` (those held), or all of them (and :attr:`compressed`
-        where it is one of them)."""
+        where it is one of them or a view of one)."""
         released = [self._scratch.pop(name) for name in (names or list(self._scratch)) if name in self._scratch]
-        if any(self.compressed is buffer for buffer in released):
-            self.compressed = None
+        if self.compressed is not None and any(_same_storage(self.compressed, buffer) for buffer in released):
+            self.compressed = None  # (a view of a released buffer would keep all of it)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class Held:

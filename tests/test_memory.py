@@ -291,3 +291,6 @@ def test_zero_one_adam_phase_one_holds_one_buffer_of_gradients_where_nothing_is_
         opt.step()
         (bucket,) = opt._buckets
         assert bucket.padded == bucket.numel and set(bucket._scratch) == {"wire"}, set(bucket._scratch)
+    assert bucket.compressed is not None and bucket.compressed.data_ptr() == bucket._scratch["wire"].data_ptr()
+    bucket.release_scratch()  # (as phase 2 begins: the last compressed input, a view of it, goes too)
+    assert bucket.compressed is None
